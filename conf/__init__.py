@@ -1,0 +1,1 @@
+"""Hydra configuration package (pkg://kvbench.conf)."""

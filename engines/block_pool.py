@@ -1,0 +1,260 @@
+"""A fixed pool of KV block ids with reference counts and an O(1) LRU free list.
+
+Tensor-free: a block is an integer id ``0 .. num_blocks - 1`` (all usable; none is
+reserved as a null block because block tables here never need a padding id).
+
+Free blocks sit in an intrusive doubly linked list kept in two int lists
+(``_next`` / ``_prev``, with a sentinel at index ``num_blocks``), so that
+
+- ``allocate`` pops the head (least recently freed) in O(1),
+- ``decref`` to zero appends at the tail in O(1),
+- ``incref`` of a free block removes it from the middle in O(1), which is how a
+  cached-free block is revived by a prefix hit. ``collections.deque`` cannot remove
+  from the middle in O(1); the lists avoid allocating any object per operation.
+
+Two optional block properties serve the prefix indexes:
+
+- *cached*: a free block that still holds reusable KV (block-hash index). It stays
+  in the free list; when ``allocate`` pops it for reuse, the pool clears the flag and
+  calls the reuse listener so the index can forget it (lazy eviction).
+- *soft references*: references the holder gives up on request (unlocked radix-tree
+  nodes). A block whose every reference is soft is *reclaimable*: not free yet, but an
+  index ``evict`` can free it. ``num_reclaimable`` is kept exact in O(1) per call.
+
+Free list picture (head is reused first)::
+
+    sentinel <-> b7 <-> b2 <-> b9 <-> sentinel
+                 ^ head (oldest free)  ^ tail (freed last)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+
+class BlockPool:
+    """Reference-counted block ids with an LRU free list.
+
+    Mutating calls raise ``ValueError`` (naming the block) on misuse: decref of a free
+    block, a hard decref when only soft references remain, and so on. ``allocate`` raises
+    ``MemoryError`` when the free list is empty; call ``num_free`` first.
+    """
+
+    __slots__ = (
+        "num_blocks",
+        "_ref",
+        "_soft",
+        "_cached",
+        "_next",
+        "_prev",
+        "_num_free",
+        "_num_cached_free",
+        "_num_reclaimable",
+        "_reuse_listener",
+    )
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks: must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._ref = [0] * num_blocks
+        self._soft = [0] * num_blocks
+        self._cached = [False] * num_blocks
+        sentinel = num_blocks
+        # Initially every block is free, in id order: 0 is the head.
+        # _next[i] = i + 1 (the last points at the sentinel); _next[sentinel] = head = 0.
+        self._next = list(range(1, num_blocks + 1)) + [0 if num_blocks else sentinel]
+        # _prev[0] = sentinel, _prev[i] = i - 1; _prev[sentinel] = tail = num_blocks - 1.
+        self._prev = [sentinel, *range(num_blocks)]
+        self._prev[sentinel] = num_blocks - 1 if num_blocks else sentinel
+        self._num_free = num_blocks
+        self._num_cached_free = 0
+        self._num_reclaimable = 0
+        self._reuse_listener: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        """Blocks in the free list, cached-free ones included (all can be allocated now)."""
+        return self._num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold reusable KV (reused last-resort, LRU order)."""
+        return self._num_cached_free
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Referenced blocks whose every reference is soft (an index eviction frees them)."""
+        return self._num_reclaimable
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def soft_count(self, block_id: int) -> int:
+        return self._soft[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._cached[block_id]
+
+    def free_blocks(self) -> list[int]:
+        """Free block ids from head (next reused) to tail. O(num_free); for tests and checks."""
+        out = []
+        sentinel = self.num_blocks
+        b = self._next[sentinel]
+        while b != sentinel:
+            out.append(b)
+            b = self._next[b]
+        return out
+
+    # ------------------------------------------------------------------ mutations
+    def set_reuse_listener(self, listener: Callable[[int], None] | None) -> None:
+        """Called with a block id when ``allocate`` reuses a cached-free block (one listener)."""
+        if listener is not None and self._reuse_listener is not None:
+            raise ValueError("BlockPool: a reuse listener is already set (one prefix index per pool)")
+        self._reuse_listener = listener
+
+    def allocate(self) -> int:
+        """Pop the least recently freed block, set its ref count to 1 and return its id.
+
+        If the block was cached, the cache entry is evicted first (the flag is cleared and
+        the reuse listener called). Raises MemoryError when no block is free.
+        """
+        sentinel = self.num_blocks
+        nxt = self._next
+        b = nxt[sentinel]
+        if b == sentinel:
+            raise MemoryError(f"BlockPool: no free block (num_blocks={self.num_blocks})")
+        after = nxt[b]
+        nxt[sentinel] = after
+        self._prev[after] = sentinel
+        self._num_free -= 1
+        self._ref[b] = 1
+        if self._cached[b]:
+            self._cached[b] = False
+            self._num_cached_free -= 1
+            if self._reuse_listener is not None:
+                self._reuse_listener(b)
+        return b
+
+    def allocate_many(self, num_blocks: int) -> list[int]:
+        """``allocate`` ``num_blocks`` times (head first). Raises MemoryError, allocating nothing,
+        when fewer are free."""
+        if num_blocks > self._num_free:
+            raise MemoryError(f"BlockPool: {num_blocks} blocks requested, {self._num_free} free")
+        alloc = self.allocate
+        return [alloc() for _ in range(num_blocks)]
+
+    def incref(self, block_id: int) -> None:
+        """Add one (hard) reference. A free block leaves the free list (a cached block is
+        revived with its KV intact)."""
+        r = self._ref[block_id]
+        if r == 0:
+            p = self._prev[block_id]
+            n = self._next[block_id]
+            self._next[p] = n
+            self._prev[n] = p
+            self._num_free -= 1
+            if self._cached[block_id]:
+                self._num_cached_free -= 1
+        elif r == self._soft[block_id]:
+            self._num_reclaimable -= 1  # a hard reference pins it
+        self._ref[block_id] = r + 1
+
+    def decref(self, block_id: int) -> bool:
+        """Drop one hard reference; returns True when the block became free.
+
+        A freed block goes to the free-list tail (reused last) and keeps its cached flag.
+        Raises ValueError when the block has no hard reference left.
+        """
+        r = self._ref[block_id] - 1
+        s = self._soft[block_id]
+        if r < s:
+            raise ValueError(
+                f"BlockPool.decref: block {block_id} has no hard reference "
+                f"(ref_count={r + 1}, soft={s})"
+            )
+        self._ref[block_id] = r
+        if r == 0:
+            sentinel = self.num_blocks
+            tail = self._prev[sentinel]
+            self._next[tail] = block_id
+            self._prev[block_id] = tail
+            self._next[block_id] = sentinel
+            self._prev[sentinel] = block_id
+            self._num_free += 1
+            if self._cached[block_id]:
+                self._num_cached_free += 1
+            return True
+        if r == s:
+            self._num_reclaimable += 1
+        return False
+
+    def free_many(self, block_ids: Iterable[int]) -> int:
+        """``decref`` each block in the given order; returns how many became free."""
+        dec = self.decref
+        return sum(1 for b in block_ids if dec(b))
+
+    def soften(self, block_id: int) -> None:
+        """Mark one existing hard reference as soft (its holder will give it up on request)."""
+        r = self._ref[block_id]
+        s = self._soft[block_id] + 1
+        if s > r:
+            raise ValueError(f"BlockPool.soften: block {block_id} has no hard reference to soften")
+        self._soft[block_id] = s
+        if s == r:
+            self._num_reclaimable += 1
+
+    def harden(self, block_id: int) -> None:
+        """Turn one soft reference back into a hard one (pins the block)."""
+        s = self._soft[block_id]
+        if s == 0:
+            raise ValueError(f"BlockPool.harden: block {block_id} has no soft reference")
+        if s == self._ref[block_id]:
+            self._num_reclaimable -= 1
+        self._soft[block_id] = s - 1
+
+    def set_cached(self, block_id: int, cached: bool) -> None:
+        """Flag a block as holding reusable KV (set by the block-hash index on registration)."""
+        if self._cached[block_id] == cached:
+            return
+        self._cached[block_id] = cached
+        if self._ref[block_id] == 0:
+            self._num_cached_free += 1 if cached else -1
+
+    # ------------------------------------------------------------------ invariants
+    def check(self) -> None:
+        """Raise AssertionError naming the first broken invariant. O(num_blocks)."""
+        n = self.num_blocks
+        sentinel = n
+        seen = [False] * n
+        b = self._next[sentinel]
+        prev = sentinel
+        count = 0
+        while b != sentinel:
+            assert 0 <= b < n, f"free list holds invalid id {b}"
+            assert not seen[b], f"free list cycles through block {b}"
+            assert self._prev[b] == prev, f"free list prev pointer of block {b} is {self._prev[b]}, not {prev}"
+            seen[b] = True
+            count += 1
+            prev = b
+            b = self._next[b]
+            assert count <= n, "free list longer than the pool"
+        assert self._prev[sentinel] == prev, "free list tail pointer is stale"
+        assert count == self._num_free, f"num_free={self._num_free} but the free list holds {count}"
+        num_cached_free = 0
+        num_reclaimable = 0
+        for i in range(n):
+            r, s = self._ref[i], self._soft[i]
+            assert r >= 0 and 0 <= s <= r, f"block {i}: ref_count={r}, soft={s}"
+            assert seen[i] == (r == 0), f"block {i}: ref_count={r} but in_free_list={seen[i]}"
+            if r == 0 and self._cached[i]:
+                num_cached_free += 1
+            if r > 0 and s == r:
+                num_reclaimable += 1
+        assert num_cached_free == self._num_cached_free, (
+            f"num_cached_free={self._num_cached_free}, recount {num_cached_free}"
+        )
+        assert num_reclaimable == self._num_reclaimable, (
+            f"num_reclaimable={self._num_reclaimable}, recount {num_reclaimable}"
+        )

@@ -1,0 +1,504 @@
+"""Tensor-free paged KV accounting: block tables, prefix sharing, copy-on-write, swap.
+
+The same object serves real mode and simulation mode: it never touches tensors. Tensor
+work is returned as ``KVOps`` that the executor applies before the step's forward pass.
+
+Sequence ``s`` (block_size 4, 10 token slots) and its block table::
+
+    positions  0 1 2 3 | 4 5 6 7 | 8 9 . .
+    table      [  B5   ,   B2    ,  B7   ]     slot(p) = table[p // 4] * 4 + p % 4
+
+Copy-on-write rule. Each block remembers how many of its leading slots have been claimed
+(``_claimed``): reserved by some sequence's ``allocate``/``append``. A sequence growing into
+slot ``o`` of its partial last block writes in place when nobody else holds the block or
+nobody has claimed slot ``o`` yet; otherwise it copies the block to a fresh one first
+(``KVOps.copies``). So after ``fork`` the first sibling to append writes in place and the
+second copies, and a radix match ending mid-block copies only if another sequence
+already wrote past the match.
+
+Swap: a sequence's blocks that it alone holds (ref count 1) move to host block ids; blocks
+it shares (fork siblings, prefix-cache entries held by the radix tree) stay resident and
+stay referenced by the swapped sequence, because other holders still read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvbench.engines.block_pool import BlockPool
+from kvbench.engines.prefix_cache import PrefixIndex
+
+from kvbench.types import KVUsage
+
+
+@dataclass(frozen=True)
+class KVOps:
+    """Tensor work the executor must do BEFORE this step's forward pass (block ids)."""
+
+    copies: tuple[tuple[int, int], ...] = ()  # (src_block, dst_block): copy-on-write of a shared block
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device_block, host_block)
+    swap_in: tuple[tuple[int, int], ...] = ()  # (host_block, device_block)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.copies or self.swap_out or self.swap_in)
+
+
+NO_OPS = KVOps()
+
+
+class KVCapacityError(RuntimeError):
+    """An act call (allocate, append, swap) whose check call (can_*) was False."""
+
+
+class _Seq:
+    __slots__ = ("block_ids", "num_tokens", "extra_key", "host_blocks")
+
+    def __init__(self, block_ids: list[int], num_tokens: int, extra_key: str | None) -> None:
+        # Device block ids in logical order; while swapped, entries listed in host_blocks
+        # are host block ids instead.
+        self.block_ids = block_ids
+        self.num_tokens = num_tokens  # token slots allocated
+        self.extra_key = extra_key
+        self.host_blocks: dict[int, int] | None = None  # logical index -> host block; None: resident
+
+
+class PagedKVManager:
+    """Block tables for live sequences over one device ``BlockPool`` and a host pool.
+
+    Paired calls: ``can_allocate``/``allocate``, ``can_append``/``append``,
+    ``can_swap_out``/``swap_out``, ``can_swap_in``/``swap_in``. A check call returns False
+    when memory is short; the act call then raises ``KVCapacityError``. Misuse (unknown or
+    duplicate seq id, acting on a swapped sequence, bad ranges) raises ``KeyError`` or
+    ``ValueError`` naming the seq id. Allocation may evict prefix-cache blocks (LRU).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_token: int,
+        prefix_index: PrefixIndex,
+        num_host_blocks: int = 0,
+    ) -> None:
+        for name, value, low in (
+            ("num_blocks", num_blocks, 1),
+            ("block_size", block_size, 1),
+            ("bytes_per_token", bytes_per_token, 1),
+            ("num_host_blocks", num_host_blocks, 0),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"PagedKVManager.{name}: must be an int >= {low}, got {value!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self.num_host_blocks = num_host_blocks
+        self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks)
+        self.prefix_index = prefix_index
+        prefix_index.bind(self.pool, block_size)
+        self._seqs: dict[int, _Seq] = {}
+        # Per device block: block-table references from live sequences, and claimed slots.
+        self._seq_refs = [0] * num_blocks
+        self._claimed = [0] * num_blocks
+        self._num_blocks_in_use = 0  # blocks with a sequence reference
+        self._num_token_slots = 0  # sum of claimed slots over blocks in use
+        # Cumulative counters.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_cow_copies = 0
+        self.bytes_swapped_out = 0
+        self.bytes_swapped_in = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cumulative prefix-cache blocks evicted to make room."""
+        return self.prefix_index.num_evicted_blocks
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """Blocks new allocations can draw on now: free (cached-free included) + reclaimable."""
+        return self.pool.num_free + self.pool.num_reclaimable
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self._seq(seq_id).host_blocks is not None
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Token slots (positions) allocated for the sequence."""
+        return self._seq(seq_id).num_tokens
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical device block ids in logical order (a copy). ValueError if swapped out."""
+        return list(self._resident(seq_id, "block_table").block_ids)
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Physical slot ``block * block_size + offset`` for positions ``[start, end)``."""
+        seq = self._resident(seq_id, "slot_mapping")
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(
+                f"slot_mapping: seq {seq_id} range [{start}, {end}) outside its {seq.num_tokens} slots"
+            )
+        bs = self.block_size
+        table = seq.block_ids
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def num_cached_tokens(self, token_ids: Sequence[int], extra_key: str | None) -> int:
+        """Tokens of ``token_ids`` already cached (<= len - 1; block aligned for the hash
+        index). Pure: no reference, LRU or counter changes."""
+        return self.prefix_index.match(token_ids, extra_key).num_tokens
+
+    # ------------------------------------------------------------------ allocate / append
+    def can_allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
+    ) -> bool:
+        """Whether ``allocate`` would succeed now. Mutates nothing."""
+        self._check_new(seq_id, num_new_tokens, "can_allocate")
+        match = self.prefix_index.match(token_ids, extra_key)
+        need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
+        return need <= self.num_allocatable_blocks - match.num_blocks_taken
+
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
+    ) -> tuple[int, KVOps]:
+        """Start ``seq_id``: attach the cached prefix of ``token_ids`` and allocate slots for
+        the next ``num_new_tokens`` positions after it (one prefill chunk).
+
+        Returns (number of cached tokens, ops). Mutates: block references, the free list
+        (may evict cached blocks), the index (locks, LRU), the prefix query/hit counters.
+        Raises KVCapacityError when ``can_allocate`` is False.
+        """
+        self._check_new(seq_id, num_new_tokens, "allocate")
+        match = self.prefix_index.match(token_ids, extra_key)
+        need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
+        if need > self.num_allocatable_blocks - match.num_blocks_taken:
+            raise KVCapacityError(
+                f"allocate: seq {seq_id} needs {need} blocks, "
+                f"{self.num_allocatable_blocks - match.num_blocks_taken} allocatable"
+            )
+        self.prefix_index.acquire(seq_id, match)
+        for b in match.block_ids:
+            self.pool.incref(b)  # revives cached-free blocks before any allocation can evict them
+            self._add_seq_ref(b)
+        seq = _Seq(list(match.block_ids), match.num_tokens, extra_key)
+        self._seqs[seq_id] = seq
+        ops = self._grow(seq, num_new_tokens)
+        self.num_prefix_query_tokens += len(token_ids)
+        self.num_prefix_hit_tokens += match.num_tokens
+        return match.num_tokens, ops
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        """Whether ``append`` would succeed now. Mutates nothing."""
+        seq = self._resident(seq_id, "can_append")
+        need = self._num_blocks_needed(seq.num_tokens, seq.block_ids, num_new_tokens, held=True)
+        return need <= self.num_allocatable_blocks
+
+    def append(self, seq_id: int, num_new_tokens: int) -> KVOps:
+        """Grow ``seq_id`` by ``num_new_tokens`` slots (a prefill chunk or a decode token),
+        copying its partial last block first if another holder claimed the next slot.
+
+        Mutates: the block table, references, the free list (may evict cached blocks).
+        Raises KVCapacityError when ``can_append`` is False.
+        """
+        seq = self._resident(seq_id, "append")
+        if num_new_tokens < 0:
+            raise ValueError(f"append: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
+        need = self._num_blocks_needed(seq.num_tokens, seq.block_ids, num_new_tokens, held=True)
+        if need > self.num_allocatable_blocks:
+            raise KVCapacityError(
+                f"append: seq {seq_id} needs {need} blocks, {self.num_allocatable_blocks} allocatable"
+            )
+        return self._grow(seq, num_new_tokens)
+
+    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Register ``token_ids`` (all tokens whose KV is written for the sequence) with the
+        prefix index. Mutates: the index. ValueError when more tokens than slots."""
+        seq = self._resident(seq_id, "commit")
+        if len(token_ids) > seq.num_tokens:
+            raise ValueError(
+                f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
+            )
+        self.prefix_index.commit(seq_id, token_ids, seq.block_ids, seq.extra_key)
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Create ``child_seq_id`` sharing every block of the parent (ref count +1 each).
+        Mutates: references, the index's sequence tracking."""
+        parent = self._resident(parent_seq_id, "fork")
+        if child_seq_id in self._seqs:
+            raise ValueError(f"fork: seq {child_seq_id} already exists")
+        for b in parent.block_ids:
+            self.pool.incref(b)
+            self._add_seq_ref(b)
+        self._seqs[child_seq_id] = _Seq(list(parent.block_ids), parent.num_tokens, parent.extra_key)
+        self.prefix_index.fork(parent_seq_id, child_seq_id)
+
+    def free(self, seq_id: int) -> None:
+        """Drop ``seq_id`` (running or swapped). Blocks are released tail first so a long
+        prompt's tail is evicted before the head other prompts share; committed blocks stay
+        cached. Mutates: references, the free list, the index."""
+        seq = self._seq(seq_id)
+        self.prefix_index.release(seq_id)
+        del self._seqs[seq_id]
+        host = seq.host_blocks or {}
+        for i in range(len(seq.block_ids) - 1, -1, -1):
+            b = seq.block_ids[i]
+            if i in host:
+                self.host_pool.decref(b)
+            else:
+                self._drop_seq_ref(b)
+                self.pool.decref(b)
+
+    # ------------------------------------------------------------------ swap
+    def can_swap_out(self, seq_id: int) -> bool:
+        """Whether the host pool has room for the blocks the sequence alone holds."""
+        seq = self._resident(seq_id, "can_swap_out")
+        return len(self._exclusive_indexes(seq)) <= self.host_pool.num_free
+
+    def swap_out(self, seq_id: int) -> KVOps:
+        """Move the blocks ``seq_id`` alone holds to host blocks (shared ones stay resident).
+
+        Mutates: the block table, both pools, ``bytes_swapped_out``. Raises KVCapacityError
+        when ``can_swap_out`` is False."""
+        seq = self._resident(seq_id, "swap_out")
+        moved = self._exclusive_indexes(seq)
+        if len(moved) > self.host_pool.num_free:
+            raise KVCapacityError(
+                f"swap_out: seq {seq_id} needs {len(moved)} host blocks, {self.host_pool.num_free} free"
+            )
+        pairs = []
+        host: dict[int, int] = {}
+        for i in moved:
+            host_block = self.host_pool.allocate()
+            pairs.append((seq.block_ids[i], host_block))
+            host[i] = host_block
+        for i in reversed(moved):  # tail first, as in free
+            b = seq.block_ids[i]
+            self._drop_seq_ref(b)
+            self.pool.decref(b)
+            seq.block_ids[i] = host[i]
+        seq.host_blocks = host
+        self.bytes_swapped_out += len(moved) * self.bytes_per_block
+        return KVOps(swap_out=tuple(pairs))
+
+    def can_swap_in(self, seq_id: int) -> bool:
+        seq = self._swapped(seq_id, "can_swap_in")
+        assert seq.host_blocks is not None
+        return len(seq.host_blocks) <= self.num_allocatable_blocks
+
+    def swap_in(self, seq_id: int) -> KVOps:
+        """Bring a swapped sequence back to fresh device blocks.
+
+        Mutates: the block table, both pools (may evict cached blocks), ``bytes_swapped_in``.
+        Raises KVCapacityError when ``can_swap_in`` is False."""
+        seq = self._swapped(seq_id, "swap_in")
+        host = seq.host_blocks
+        assert host is not None
+        if len(host) > self.num_allocatable_blocks:
+            raise KVCapacityError(
+                f"swap_in: seq {seq_id} needs {len(host)} blocks, {self.num_allocatable_blocks} allocatable"
+            )
+        self._make_free(len(host))
+        bs = self.block_size
+        pairs = []
+        for i in sorted(host):
+            dev = self._new_block()
+            self._set_claimed(dev, min(bs, seq.num_tokens - i * bs))
+            pairs.append((host[i], dev))
+            seq.block_ids[i] = dev
+            self.host_pool.decref(host[i])
+        seq.host_blocks = None
+        self.bytes_swapped_in += len(pairs) * self.bytes_per_block
+        return KVOps(swap_in=tuple(pairs))
+
+    # ------------------------------------------------------------------ usage / check
+    def usage(self) -> KVUsage:
+        """Memory now, in bytes of the device pool (cached = held only by the prefix cache)."""
+        per_block = self.bytes_per_block
+        in_use = self._num_blocks_in_use
+        free = self.pool.num_free - self.pool.num_cached_free
+        cached = self.num_blocks - free - in_use
+        allocated = in_use * per_block
+        token_bytes = self._num_token_slots * self.bytes_per_token
+        return KVUsage(
+            capacity_bytes=self.num_blocks * per_block,
+            allocated_bytes=allocated,
+            token_bytes=token_bytes,
+            internal_frag_bytes=allocated - token_bytes,
+            cached_bytes=cached * per_block,
+            host_bytes=(self.num_host_blocks - self.host_pool.num_free) * per_block,
+            num_blocks_total=self.num_blocks,
+            num_blocks_in_use=in_use,
+            num_blocks_cached_free=cached,
+            num_blocks_free=free,
+        )
+
+    def check(self) -> None:
+        """Raise AssertionError naming the first broken invariant. O(blocks + table entries)."""
+        self.pool.check()
+        self.host_pool.check()
+        self.prefix_index.check()
+        n = self.num_blocks
+        bs = self.block_size
+        seq_refs = [0] * n
+        host_refs = [0] * self.num_host_blocks
+        for seq_id, seq in self._seqs.items():
+            want = -(-seq.num_tokens // bs)
+            assert len(seq.block_ids) == want, (
+                f"seq {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} slots, want {want}"
+            )
+            host = seq.host_blocks or {}
+            device = [b for i, b in enumerate(seq.block_ids) if i not in host]
+            assert len(set(device)) == len(device), f"seq {seq_id}: a block appears twice in its table"
+            for i, b in enumerate(seq.block_ids):
+                if i in host:
+                    host_refs[b] += 1
+                    continue
+                seq_refs[b] += 1
+                slots = min(bs, seq.num_tokens - i * bs)
+                assert self._claimed[b] >= slots, (
+                    f"seq {seq_id}: block {b} claims {self._claimed[b]} slots, the seq uses {slots}"
+                )
+        index_refs = self.prefix_index.block_refs()
+        in_use = 0
+        cached = 0
+        token_slots = 0
+        for b in range(n):
+            assert self._seq_refs[b] == seq_refs[b], (
+                f"block {b}: seq ref counter {self._seq_refs[b]}, block tables hold {seq_refs[b]}"
+            )
+            ref = self.pool.ref_count(b)
+            assert ref == seq_refs[b] + index_refs.get(b, 0), (
+                f"block {b}: ref_count={ref} but {seq_refs[b]} block-table refs "
+                f"+ {index_refs.get(b, 0)} index refs"
+            )
+            if seq_refs[b]:
+                in_use += 1
+                token_slots += self._claimed[b]
+            elif ref > 0 or self.pool.is_cached(b):
+                cached += 1
+        for h in range(self.num_host_blocks):
+            assert self.host_pool.ref_count(h) == host_refs[h], (
+                f"host block {h}: ref_count={self.host_pool.ref_count(h)}, swapped tables hold {host_refs[h]}"
+            )
+        assert in_use == self._num_blocks_in_use, f"num_blocks_in_use={self._num_blocks_in_use}, recount {in_use}"
+        assert token_slots == self._num_token_slots, (
+            f"num_token_slots={self._num_token_slots}, recount {token_slots}"
+        )
+        free = self.pool.num_free - self.pool.num_cached_free
+        assert free + in_use + cached == n, f"free {free} + in use {in_use} + cached {cached} != total {n}"
+
+    # ------------------------------------------------------------------ internals
+    def _num_blocks_needed(self, num_tokens: int, block_ids: Sequence[int], num_new: int, held: bool) -> int:
+        """New blocks to grow from ``num_tokens`` by ``num_new`` slots (including a CoW copy).
+        ``held``: whether the caller already holds a reference on ``block_ids``."""
+        if num_new <= 0:
+            return 0
+        bs = self.block_size
+        need = -(-(num_tokens + num_new) // bs) - len(block_ids)
+        offset = num_tokens % bs
+        if offset and self._must_copy(block_ids[-1], offset, held):
+            need += 1
+        return need
+
+    def _must_copy(self, block: int, offset: int, held: bool) -> bool:
+        other_holders = self.pool.ref_count(block) - (1 if held else 0)
+        return other_holders > 0 and self._claimed[block] > offset
+
+    def _grow(self, seq: _Seq, num_new: int) -> KVOps:
+        if num_new <= 0:
+            return NO_OPS
+        bs = self.block_size
+        table = seq.block_ids
+        offset = seq.num_tokens % bs
+        self._make_free(self._num_blocks_needed(seq.num_tokens, table, num_new, held=True))
+        copies: tuple[tuple[int, int], ...] = ()
+        remaining = num_new
+        if offset:
+            last = table[-1]
+            take = min(num_new, bs - offset)
+            if self._must_copy(last, offset, held=True):
+                dst = self._new_block()
+                self._set_claimed(dst, offset + take)
+                table[-1] = dst
+                self._drop_seq_ref(last)
+                self.pool.decref(last)  # others still hold it, so it stays allocated
+                copies = ((last, dst),)
+                self.num_cow_copies += 1
+            else:
+                # Sole holder (stale claims are overwritten) or first to claim the next slot.
+                self._set_claimed(last, offset + take)
+            remaining -= take
+        while remaining > 0:
+            b = self._new_block()
+            take = min(remaining, bs)
+            self._set_claimed(b, take)
+            table.append(b)
+            remaining -= take
+        seq.num_tokens += num_new
+        return KVOps(copies=copies) if copies else NO_OPS
+
+    def _make_free(self, num_blocks: int) -> None:
+        shortfall = num_blocks - self.pool.num_free
+        if shortfall > 0:
+            self.prefix_index.evict(shortfall)
+        assert self.pool.num_free >= num_blocks, "prefix index evicted fewer blocks than it reported reclaimable"
+
+    def _new_block(self) -> int:
+        b = self.pool.allocate()
+        self._claimed[b] = 0  # fresh KV: nothing claimed (the block has no sequence refs yet)
+        self._add_seq_ref(b)
+        return b
+
+    def _add_seq_ref(self, b: int) -> None:
+        r = self._seq_refs[b]
+        if r == 0:
+            self._num_blocks_in_use += 1
+            self._num_token_slots += self._claimed[b]
+        self._seq_refs[b] = r + 1
+
+    def _drop_seq_ref(self, b: int) -> None:
+        r = self._seq_refs[b] - 1
+        self._seq_refs[b] = r
+        if r == 0:
+            self._num_blocks_in_use -= 1
+            self._num_token_slots -= self._claimed[b]
+
+    def _set_claimed(self, b: int, num_slots: int) -> None:
+        if self._seq_refs[b]:
+            self._num_token_slots += num_slots - self._claimed[b]
+        self._claimed[b] = num_slots
+
+    def _exclusive_indexes(self, seq: _Seq) -> list[int]:
+        return [i for i, b in enumerate(seq.block_ids) if self.pool.ref_count(b) == 1]
+
+    def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"{op}: seq {seq_id} already exists")
+        if num_new_tokens < 0:
+            raise ValueError(f"{op}: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
+
+    def _seq(self, seq_id: int) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"PagedKVManager: unknown seq {seq_id}") from None
+
+    def _resident(self, seq_id: int, op: str) -> _Seq:
+        seq = self._seq(seq_id)
+        if seq.host_blocks is not None:
+            raise ValueError(f"{op}: seq {seq_id} is swapped out (swap_in first)")
+        return seq
+
+    def _swapped(self, seq_id: int, op: str) -> _Seq:
+        seq = self._seq(seq_id)
+        if seq.host_blocks is None:
+            raise ValueError(f"{op}: seq {seq_id} is not swapped out")
+        return seq

@@ -1,0 +1,325 @@
+"""The paged engine (PagedAttention, vLLM style): scheduler + block KV manager + executor + sampler.
+
+One ``step()``::
+
+    scheduler.schedule()          reserve KV slots, preempt / swap / admit  (tensor-free)
+    executor.execute(output)      apply KV ops, run the model over the chunks -> logits
+    scheduler.complete_step()     mark chunks computed, register full blocks in the prefix index
+    sample / rank beams           Sampler (batch-independent keys) or beam ranking
+    scheduler.append_token / fork_samples / advance_beams
+
+Sampling uses ``SampleKey(request_id, sample_index, output position, temperature)``, the
+same keys as the dense reference, so outputs do not depend on batching, chunking,
+preemption or sharing. Parallel samples are forked from the prompt sequence after its
+last prompt token (sharing every prompt block); beams are ranked jointly every step
+(the best ``beam_width`` of all (beam, token) continuations by cumulative log-probability).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvbench.engines.executor import ExecutionResult, Executor, TorchExecutor
+from kvbench.engines.kv_manager import PagedKVManager
+from kvbench.engines.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
+from kvbench.engines.radix_cache import RadixPrefixIndex
+from kvbench.engines.sampler import SampleKey, Sampler, log_softmax, stable_seed
+from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvbench.engines.sequence import Sequence, SequenceGroup
+from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
+from kvbench.types import EngineContext, Request, StepOutput, StepStats, TokenEvent
+
+PREFIX_INDEXES = {
+    "block_hash": BlockHashPrefixIndex,
+    "radix": RadixPrefixIndex,
+    "none": NullPrefixIndex,
+}
+DECODE_BACKENDS = ("auto", "torch", "triton")
+
+
+def rank_beam_candidates(
+    logprobs: torch.Tensor, cum_logprobs: list[float], beam_width: int, eos_token_id: int | None
+) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]]]:
+    """Best continuations of a beam step.
+
+    logprobs: fp32 [num_beams, vocab]; cum_logprobs: each beam's score so far. Scores add
+    in float64. Candidates are ranked by score, ties by (beam, token). Returns ``chosen``:
+    the first ``beam_width`` non-EOS candidates (beam, token, score), best first, and
+    ``finished``: EOS candidates ranked within the top ``beam_width`` (only when
+    ``eos_token_id`` is not None, i.e. EOS is not ignored). Mutates nothing.
+    """
+    num_beams, vocab = logprobs.shape
+    scores = logprobs.double() + torch.tensor(cum_logprobs, dtype=torch.float64, device=logprobs.device)[:, None]
+    k = min(2 * beam_width, num_beams * vocab)
+    values, flat = torch.topk(scores.flatten(), k)
+    ranked = sorted(zip(values.tolist(), flat.tolist()), key=lambda c: (-c[0], c[1]))
+    chosen: list[tuple[int, int, float]] = []
+    finished: list[tuple[int, int, float]] = []
+    for rank, (score, index) in enumerate(ranked):
+        beam, token = divmod(index, vocab)
+        if eos_token_id is not None and token == eos_token_id:
+            if rank < beam_width:
+                finished.append((beam, token, score))
+            continue
+        chosen.append((beam, token, score))
+        if len(chosen) == beam_width:
+            break
+    return chosen, finished
+
+
+class PagedEngine:
+    """Paged KV engine; see the module docstring. Parameters mirror ``conf/engine/paged.yaml``.
+
+    Raises ValueError naming ``engine.<parameter>`` for an invalid parameter.
+    """
+
+    def __init__(
+        self,
+        ctx: EngineContext,
+        *,
+        name: str = "paged",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int = 32 * 1024 * 1024,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        chunked_prefill: bool = True,
+        prefix_cache: str = "block_hash",
+        preemption: str = "recompute",
+        victim_policy: str = "newest",
+        num_host_blocks: int = 0,
+        decode_backend: str = "auto",
+        executor: Executor | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"engine.block_size: must be a power of two, got {block_size}")
+        if prefix_cache not in PREFIX_INDEXES:
+            raise ValueError(f"engine.prefix_cache: must be one of {tuple(PREFIX_INDEXES)}, got {prefix_cache!r}")
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"engine.decode_backend: must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
+        if num_host_blocks < 0:
+            raise ValueError(f"engine.num_host_blocks: must be >= 0, got {num_host_blocks}")
+        self.name = name
+        self.ctx = ctx
+        spec = ctx.spec
+        self.bytes_per_token = kv_bytes_per_token(spec, ctx.kv_dtype)
+        self.bytes_per_block = kv_bytes_per_block(spec, ctx.kv_dtype, block_size)
+        if num_blocks is None:
+            if kv_memory_bytes <= 0:
+                raise ValueError(f"engine.kv_memory_bytes: must be > 0, got {kv_memory_bytes}")
+            num_blocks = kv_memory_bytes // self.bytes_per_block
+            if num_blocks == 0:
+                raise ValueError(
+                    f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no block of "
+                    f"{self.bytes_per_block} bytes (block_size {block_size})"
+                )
+        elif num_blocks <= 0:
+            raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
+        if preemption == "swap" and num_host_blocks == 0:
+            num_host_blocks = num_blocks
+        config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunked_prefill=bool(chunked_prefill),
+            preemption=preemption,
+            victim_policy=victim_policy,
+            max_model_len=spec.max_position_embeddings,
+        )
+        config.validate()
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.prefix_cache = prefix_cache
+        self.kv = PagedKVManager(
+            num_blocks, block_size, self.bytes_per_token, PREFIX_INDEXES[prefix_cache](), num_host_blocks
+        )
+        self.scheduler = Scheduler(self.kv, config, spec.eos_token_id)
+        if executor is None:
+            if ctx.model is None:
+                raise ValueError(
+                    "engine.paged: ctx.model is None (simulation mode) and no executor was given; "
+                    "pass a cost-model executor"
+                )
+            executor = TorchExecutor(
+                ctx.model,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                num_host_blocks=num_host_blocks,
+                device=ctx.device,
+                kv_dtype=ctx.kv_dtype,
+                decode_backend=decode_backend,
+            )
+        self.executor = executor
+        self.sampler = Sampler(ctx.seed)
+        self.config = config
+        self._is_cuda = torch.device(ctx.device).type == "cuda"
+
+    # ------------------------------------------------------------------ protocol
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (mutates the scheduler's waiting queue); unfit ones are rejected by step()."""
+        self.scheduler.add(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "kv_bytes_per_token": self.bytes_per_token,
+            "kv_pool_bytes": self.num_blocks * self.bytes_per_block,
+            "kv_bytes_per_block": self.bytes_per_block,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "num_host_blocks": self.num_host_blocks,
+            "prefix_cache": self.prefix_cache,
+            "preemption": cfg.preemption,
+            "victim_policy": cfg.victim_policy,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "chunked_prefill": cfg.chunked_prefill,
+            **self.executor.describe(),
+        }
+
+    def step(self) -> StepOutput:
+        """Run one iteration (see module doc). Mutates queues, KV state and outputs.
+
+        On CUDA it synchronises before returning so the runner's clock reads finished work.
+        """
+        kv = self.kv
+        queries0, hits0, evicted0 = kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks
+        output = self.scheduler.schedule()
+        result = self.executor.execute(output)
+        targets = self.scheduler.complete_step()
+        events = self._advance(targets, result)
+        finished = self.scheduler.pop_finished()
+        if self._is_cuda:
+            torch.cuda.synchronize()
+        bytes_to_host, bytes_from_host = self._swap_bytes(output)
+        scheduler = self.scheduler
+        stats = StepStats(
+            num_running=sum(len(group.seqs) for group in scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_scheduled_tokens=output.num_scheduled_tokens,
+            num_prefill_tokens=output.num_prefill_tokens,
+            num_decode_tokens=output.num_decode_tokens,
+            kv=kv.usage(),
+            num_swapped=len(scheduler.swapped),
+            num_preemptions=output.num_preemptions,
+            num_recomputed_tokens=output.num_recomputed_tokens,
+            num_prefix_query_tokens=kv.num_prefix_query_tokens - queries0,
+            num_prefix_hit_tokens=kv.num_prefix_hit_tokens - hits0,
+            num_evicted_blocks=kv.num_evicted_blocks - evicted0,
+            bytes_to_host=bytes_to_host,
+            bytes_from_host=bytes_from_host,
+            modeled_transfer_s=(bytes_to_host + bytes_from_host) / (self.ctx.hardware.pcie_gbps * 1e9),
+        )
+        return StepOutput(
+            tokens=tuple(events),
+            first_scheduled=output.first_scheduled,
+            finished=tuple(finished),
+            rejected=output.rejected,
+            stats=stats,
+            modeled_duration_s=result.modeled_duration_s,
+        )
+
+    # ------------------------------------------------------------------ token selection
+    def _swap_bytes(self, output: SchedulerOutput) -> tuple[int, int]:
+        num_out = sum(len(op.swap_out) for op in output.kv_ops)
+        num_in = sum(len(op.swap_in) for op in output.kv_ops)
+        return num_out * self.bytes_per_block, num_in * self.bytes_per_block
+
+    def _advance(self, targets: list[tuple[SequenceGroup, Sequence]], result: ExecutionResult) -> list[TokenEvent]:
+        """Pick next tokens for every sampling target and apply them (forks, beams, finishes)."""
+        if not targets:
+            return []
+        if result.logits is None:
+            return self._advance_without_logits(targets)
+        logits = result.logits  # logits: [len(targets), vocab] fp32
+        rows: list[int] = []
+        keys: list[SampleKey] = []
+        beams: dict[int, tuple[SequenceGroup, list[int]]] = {}
+        for row, (group, seq) in enumerate(targets):
+            request = group.request
+            if group.is_beam:
+                beams.setdefault(id(group), (group, []))[1].append(row)
+            elif not group.has_forked and group.num_samples > 1:
+                # The prompt's last logits give every sample its first token.
+                for index in range(group.num_samples):
+                    keys.append(SampleKey(request.request_id, index, 0, request.temperature))
+                    rows.append(row)
+            else:
+                keys.append(SampleKey(request.request_id, seq.sample_index, seq.num_output_tokens, request.temperature))
+                rows.append(row)
+        events: list[TokenEvent] = []
+        if keys:
+            index_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            tokens = self.sampler.sample(logits.index_select(0, index_t), keys)
+            cursor = 0
+            for group, seq in targets:
+                if group.is_beam:
+                    continue
+                if not group.has_forked and group.num_samples > 1:
+                    firsts = tokens[cursor : cursor + group.num_samples]
+                    cursor += group.num_samples
+                    self.scheduler.fork_samples(group, firsts)
+                    events.extend(TokenEvent(group.request_id, i, t) for i, t in enumerate(firsts))
+                else:
+                    token = tokens[cursor]
+                    cursor += 1
+                    events.append(TokenEvent(group.request_id, seq.sample_index, token))
+                    self.scheduler.append_token(group, seq, token)
+        for group, group_rows in beams.values():
+            events.extend(self._advance_beams(group, [targets[r][1] for r in group_rows], logits, group_rows))
+        return events
+
+    def _advance_beams(
+        self, group: SequenceGroup, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]
+    ) -> list[TokenEvent]:
+        request = group.request
+        index_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        logprobs = log_softmax(logits.index_select(0, index_t))  # [num_beams, vocab]
+        eos = None if request.ignore_eos else self.ctx.spec.eos_token_id
+        chosen, finished = rank_beam_candidates(logprobs, [s.cum_logprob for s in seqs], request.beam_width, eos)
+        live = self.scheduler.advance_beams(
+            group,
+            [(seqs[beam], token, score) for beam, token, score in chosen],
+            [(score, (*seqs[beam].output_token_ids, token)) for beam, token, score in finished],
+        )
+        del live
+        return [TokenEvent(request.request_id, rank, token) for rank, (_, token, _) in enumerate(chosen)]
+
+    def _advance_without_logits(self, targets: list[tuple[SequenceGroup, Sequence]]) -> list[TokenEvent]:
+        """Cost-model execution: no logits, so each target gets a seeded stand-in token.
+
+        Tokens are drawn from [3, vocab) by (seed, request, sample, position), so outputs
+        of different requests do not collide in the prefix cache. Beams continue one
+        stand-in token each (no ranking without logits).
+        """
+        vocab = self.ctx.spec.vocab_size
+        seed = self.ctx.seed
+
+        def stand_in(group: SequenceGroup, sample_index: int, position: int) -> int:
+            return 3 + stable_seed(seed, group.request_id, sample_index, position) % (vocab - 3)
+
+        events: list[TokenEvent] = []
+        done_beams: set[int] = set()
+        for group, seq in targets:
+            if group.is_beam:
+                if id(group) in done_beams:
+                    continue
+                done_beams.add(id(group))
+                beams = list(group.seqs) if group.has_forked else [seq] * group.num_samples
+                chosen = [(beam, stand_in(group, i, beam.num_output_tokens), 0.0) for i, beam in enumerate(beams)]
+                self.scheduler.advance_beams(group, chosen, [])
+                events.extend(TokenEvent(group.request_id, i, t) for i, (_, t, _) in enumerate(chosen))
+            elif not group.has_forked and group.num_samples > 1:
+                firsts = [stand_in(group, i, 0) for i in range(group.num_samples)]
+                self.scheduler.fork_samples(group, firsts)
+                events.extend(TokenEvent(group.request_id, i, t) for i, t in enumerate(firsts))
+            else:
+                token = stand_in(group, seq.sample_index, seq.num_output_tokens)
+                events.append(TokenEvent(group.request_id, seq.sample_index, token))
+                self.scheduler.append_token(group, seq, token)
+        return events

@@ -1,0 +1,307 @@
+"""Prefix indexes for the paged KV manager: the protocol, a null index and a block-hash index.
+
+A prefix index remembers which pool blocks hold KV for which token prefixes, so that a
+new sequence can attach them instead of recomputing. The paged manager talks to it only
+through ``PrefixIndex``; "prefix caching off" is ``NullPrefixIndex`` and the token-granular
+radix tree (``radix_cache.RadixPrefixIndex``) is a drop-in alternative to
+``BlockHashPrefixIndex``.
+
+Who holds what (the manager and the index share one ``BlockPool``):
+
+- The manager holds one hard pool reference per block-table entry of a live sequence.
+  It takes the references on a match's blocks itself (``BlockPool.incref``).
+- ``BlockHashPrefixIndex`` holds no references: a registered block whose sequences are
+  gone sits in the free list flagged *cached* and is evicted lazily when the pool pops it
+  for reuse (vLLM v1's scheme).
+- ``RadixPrefixIndex`` holds one reference per tree-node block; references of unlocked
+  nodes are *soft*, so ``BlockPool.num_reclaimable`` counts what ``evict`` can free (SGLang's
+  scheme: the tree owns cached KV and evicts unlocked leaves on demand).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from kvbench.engines.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The cached prefix found for a token sequence (a pure query result).
+
+    ``block_ids[i]`` holds positions ``[i * block_size, (i + 1) * block_size)``; the last one
+    may be only partly covered when ``num_tokens`` is not block aligned (radix index).
+    ``num_blocks_taken`` is how many blocks attaching the match removes from what new
+    allocations can draw on (cached-free blocks revived from the free list, reclaimable
+    blocks pinned by locks); the manager subtracts it when checking capacity.
+    ``handle`` is private to the index that produced the match.
+    """
+
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    num_blocks_taken: int = 0
+    handle: Any = None
+
+
+NO_MATCH = PrefixMatch(num_tokens=0, block_ids=())
+
+
+@runtime_checkable
+class PrefixIndex(Protocol):
+    """What the paged KV manager needs from a prefix cache.
+
+    Call order per sequence: ``match`` (any number of times, pure) -> ``acquire`` once
+    -> ``commit`` after each step that wrote KV -> optional ``fork`` -> ``release`` once.
+    Every method says what it mutates; misuse (unknown sequence, double bind) raises
+    ``KeyError`` / ``ValueError`` naming the sequence.
+    """
+
+    def bind(self, pool: BlockPool, block_size: int) -> None:
+        """Attach to the manager's pool (once). Mutates: the index, the pool's reuse listener."""
+        ...
+
+    def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
+        """Longest cached prefix of ``token_ids``, at most ``len(token_ids) - 1`` tokens so the
+        last prompt token is always computed. Mutates nothing (not even LRU order)."""
+        ...
+
+    def acquire(self, seq_id: int, match: PrefixMatch) -> None:
+        """Start tracking ``seq_id`` from ``match`` (the latest ``match`` result, before any
+        other mutation). Mutates: index bookkeeping, LRU order, locks. The manager takes the
+        block references itself, after this call."""
+        ...
+
+    def commit(
+        self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
+    ) -> None:
+        """Register the KV now written for ``seq_id``: ``token_ids`` are all its written tokens
+        (a prefix-extension of the previous commit) and ``block_ids`` its block table.
+        Mutates: the index and, for indexes that hold blocks, pool references."""
+        ...
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Track ``child_seq_id`` as a copy of ``parent_seq_id``. Mutates: index bookkeeping."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Stop tracking ``seq_id`` (before the manager drops its block references); its
+        committed KV stays cached. Mutates: index bookkeeping, locks."""
+        ...
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` pool blocks held only by the cache, least recently used
+        first; returns how many became free (0 for indexes whose cache lives in the free list).
+        Mutates: the index, pool references."""
+        ...
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Cumulative cached blocks dropped to make room."""
+        ...
+
+    def block_refs(self) -> dict[int, int]:
+        """Pool references the index holds, by block id (for the manager's ``check``)."""
+        ...
+
+    def check(self) -> None:
+        """Raise AssertionError naming the first broken internal invariant."""
+        ...
+
+
+class NullPrefixIndex:
+    """Prefix caching off: nothing matches, nothing is kept, freed blocks are plain free."""
+
+    def __init__(self) -> None:
+        self._pool: BlockPool | None = None
+
+    def bind(self, pool: BlockPool, block_size: int) -> None:
+        if self._pool is not None:
+            raise ValueError("NullPrefixIndex: already bound to a pool (use one index per manager)")
+        self._pool = pool
+
+    def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
+        return NO_MATCH
+
+    def acquire(self, seq_id: int, match: PrefixMatch) -> None:
+        return None
+
+    def commit(
+        self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
+    ) -> None:
+        return None
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        return None
+
+    def release(self, seq_id: int) -> None:
+        return None
+
+    def evict(self, num_blocks: int) -> int:
+        return 0
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        return 0
+
+    def block_refs(self) -> dict[int, int]:
+        return {}
+
+    def check(self) -> None:
+        return None
+
+
+# A block's key: (hash of the parent block's key or None for the first block,
+# the block's token ids, extra_key). The dict compares whole keys, so two different token
+# blocks never alias; only a 64-bit collision of two parents' hashes could, which we accept
+# as vLLM does with its builtin-hash option.
+BlockKey = tuple[int | None, tuple[int, ...], str | None]
+
+
+class _SeqHashState:
+    """How far a sequence's full blocks are registered, and the chain hash to continue from."""
+
+    __slots__ = ("num_blocks", "last_hash")
+
+    def __init__(self, num_blocks: int, last_hash: int | None) -> None:
+        self.num_blocks = num_blocks
+        self.last_hash = last_hash
+
+
+class BlockHashPrefixIndex:
+    """vLLM-style prefix cache: full blocks keyed by a chained hash of their tokens.
+
+    Hash: Python's built-in ``hash`` of ``(parent_hash, tuple(block_tokens), extra_key)``.
+    It is stable within one process only (``str`` hashing is salted per process), which is
+    all an in-memory cache needs; keys are never persisted.
+
+    Only full blocks are registered, so matches are block aligned and capped at
+    ``(len(token_ids) - 1) // block_size`` blocks. Registered blocks stay registered while
+    they sit in the free list (cached-free) and are forgotten when the pool reuses them; a
+    second block computed for an already registered key stays unregistered (de-duplication
+    happens on the next request, which attaches the registered one).
+    """
+
+    def __init__(self) -> None:
+        self._pool: BlockPool | None = None
+        self._block_size = 0
+        self._key_to_block: dict[BlockKey, int] = {}
+        self._block_key: dict[int, BlockKey] = {}
+        self._seqs: dict[int, _SeqHashState] = {}
+        self._num_evicted_blocks = 0
+
+    # ------------------------------------------------------------------ protocol
+    def bind(self, pool: BlockPool, block_size: int) -> None:
+        if self._pool is not None:
+            raise ValueError("BlockHashPrefixIndex: already bound to a pool (use one index per manager)")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self._pool = pool
+        self._block_size = block_size
+        pool.set_reuse_listener(self._on_block_reused)
+
+    def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
+        pool = self._bound_pool()
+        bs = self._block_size
+        num_full = max(len(token_ids) - 1, 0) // bs
+        blocks: list[int] = []
+        num_taken = 0
+        parent: int | None = None
+        lookup = self._key_to_block
+        for i in range(num_full):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_key)
+            block = lookup.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+            if pool.ref_count(block) == 0:
+                num_taken += 1  # revived from the free list
+            parent = hash(key)
+        if not blocks:
+            return NO_MATCH
+        return PrefixMatch(len(blocks) * bs, tuple(blocks), num_taken, handle=parent)
+
+    def acquire(self, seq_id: int, match: PrefixMatch) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"BlockHashPrefixIndex.acquire: seq {seq_id} already tracked")
+        self._seqs[seq_id] = _SeqHashState(len(match.block_ids), match.handle)
+
+    def commit(
+        self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
+    ) -> None:
+        pool = self._bound_pool()
+        state = self._seq(seq_id)
+        bs = self._block_size
+        num_full = len(token_ids) // bs
+        if num_full > len(block_ids):
+            raise ValueError(
+                f"BlockHashPrefixIndex.commit: seq {seq_id} commits {len(token_ids)} tokens "
+                f"but its block table has only {len(block_ids)} blocks"
+            )
+        parent = state.last_hash
+        for i in range(state.num_blocks, num_full):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_key)
+            block = block_ids[i]
+            if key not in self._key_to_block:
+                self._key_to_block[key] = block
+                self._block_key[block] = key
+                pool.set_cached(block, True)
+            parent = hash(key)
+        state.num_blocks = max(state.num_blocks, num_full)
+        state.last_hash = parent
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        if child_seq_id in self._seqs:
+            raise ValueError(f"BlockHashPrefixIndex.fork: seq {child_seq_id} already tracked")
+        parent = self._seq(parent_seq_id)
+        self._seqs[child_seq_id] = _SeqHashState(parent.num_blocks, parent.last_hash)
+
+    def release(self, seq_id: int) -> None:
+        self._seq(seq_id)
+        del self._seqs[seq_id]
+
+    def evict(self, num_blocks: int) -> int:
+        return 0  # cached blocks already count as free; the pool evicts them on reuse
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        return self._num_evicted_blocks
+
+    def block_refs(self) -> dict[int, int]:
+        return {}
+
+    def check(self) -> None:
+        pool = self._bound_pool()
+        for key, block in self._key_to_block.items():
+            assert self._block_key.get(block) == key, f"hash map entry for block {block} not mirrored"
+        assert len(self._block_key) == len(self._key_to_block), (
+            f"{len(self._block_key)} hashed blocks but {len(self._key_to_block)} hash map entries"
+        )
+        for block in range(pool.num_blocks):
+            assert pool.is_cached(block) == (block in self._block_key), (
+                f"block {block}: pool cached flag {pool.is_cached(block)} disagrees with the hash map"
+            )
+
+    # ------------------------------------------------------------------ extras
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the hash map (in use or cached-free)."""
+        return len(self._key_to_block)
+
+    def _on_block_reused(self, block_id: int) -> None:
+        # The pool is about to overwrite a cached-free block: forget it (lazy eviction).
+        key = self._block_key.pop(block_id)
+        del self._key_to_block[key]
+        self._num_evicted_blocks += 1
+
+    def _seq(self, seq_id: int) -> _SeqHashState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"BlockHashPrefixIndex: unknown seq {seq_id}") from None
+
+    def _bound_pool(self) -> BlockPool:
+        if self._pool is None:
+            raise ValueError("BlockHashPrefixIndex: not bound to a pool (PagedKVManager binds it)")
+        return self._pool

@@ -1,0 +1,461 @@
+"""A token-granular radix tree over the paged block pool (SGLang's RadixCache, on blocks).
+
+Each node is an edge of token ids ``key`` starting at absolute position ``start``; children
+are keyed by their first token. A node holds one pool reference on every block its token
+range overlaps, so a match may end mid-block: the sequence then shares that partial block
+and the manager copies it on its first write into a slot someone else already claimed.
+
+Blocks of a path::
+
+    positions   0 1 2 3 | 4 5 6 7 | 8 9
+    node X      a a a a | a a          blocks [B0, B1]      (X = positions 0..5)
+    child Y               . . y y | y  blocks [B2, B3]      (Y = 6..8; B2 holds copies of a4 a5)
+    child Z               . . z      | blocks [B1]          (Z = 6; wrote into B1 in place)
+
+A match takes, for each logical block, the block of the deepest matched node touching it:
+that block holds the path's tokens at every earlier position of the block, because the
+sequence that created the node wrote (or copied) them there.
+
+Locks: a live sequence locks the node where its cached/committed prefix ends; a lock
+counts on every node up to the root. References of unlocked nodes are *soft* in the pool
+so ``BlockPool.num_reclaimable`` is exactly what ``evict`` can free. Eviction removes
+unlocked leaves in least-recently-used order (a logical clock, for reproducibility) from a
+lazy heap; a parent whose last child goes becomes a candidate leaf.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from kvbench.engines.block_pool import BlockPool
+from kvbench.engines.prefix_cache import NO_MATCH, PrefixMatch
+
+
+class _Node:
+    __slots__ = (
+        "parent",
+        "children",
+        "key",
+        "start",
+        "block_ids",
+        "lock_count",
+        "last_access",
+        "node_id",
+        "alive",
+    )
+
+    def __init__(self, parent: _Node | None, key: list[int], start: int, block_ids: list[int], node_id: int):
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.key = key  # token ids of this edge, positions [start, start + len(key))
+        self.start = start
+        self.block_ids = block_ids  # logical blocks start // bs .. (end - 1) // bs
+        self.lock_count = 0
+        self.last_access = 0
+        self.node_id = node_id
+        self.alive = True
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+
+class _SeqState:
+    """The node where a sequence's tree prefix ends (None: no prefix yet) and its length."""
+
+    __slots__ = ("node", "num_tokens")
+
+    def __init__(self, node: _Node | None, num_tokens: int) -> None:
+        self.node = node
+        self.num_tokens = num_tokens
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    if a == b[: len(a)]:
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class RadixPrefixIndex:
+    """Token-granular radix-tree prefix index with lock counts and LRU leaf eviction.
+
+    Implements ``prefix_cache.PrefixIndex``. ``extra_key`` (cache salt, adapter) selects a
+    separate tree. Matches are capped at ``len(token_ids) - 1`` tokens and are not block
+    aligned. Complexity: ``match`` O(prefix length); ``commit`` O(new tokens) when a
+    sequence extends its own leaf, else O(new tokens + depth); ``evict`` O(log heap) per node.
+    """
+
+    def __init__(self) -> None:
+        self._pool: BlockPool | None = None
+        self._block_size = 0
+        self._roots: dict[str | None, _Node] = {}
+        self._seqs: dict[int, _SeqState] = {}
+        self._heap: list[tuple[int, int, _Node]] = []  # (last_access, node_id, node), lazy
+        self._clock = 0
+        self._next_node_id = 0
+        self._num_nodes = 0  # live non-root nodes
+        self._num_evicted_blocks = 0
+
+    # ------------------------------------------------------------------ protocol
+    def bind(self, pool: BlockPool, block_size: int) -> None:
+        if self._pool is not None:
+            raise ValueError("RadixPrefixIndex: already bound to a pool (use one index per manager)")
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be > 0, got {block_size}")
+        self._pool = pool
+        self._block_size = block_size
+
+    def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
+        pool = self._bound_pool()
+        cap = len(token_ids) - 1
+        root = self._roots.get(extra_key)
+        if cap <= 0 or root is None:
+            return NO_MATCH
+        tokens = list(token_ids[:cap])
+        bs = self._block_size
+        table: list[int] = []
+        path: list[tuple[_Node, int]] = []
+        node, pos = root, 0
+        while pos < cap:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            key = child.key
+            c = _common_prefix_len(key, tokens[pos : pos + len(key)])
+            first_k = child.start // bs
+            num_blocks = (child.start + c - 1) // bs - first_k + 1
+            blocks = child.block_ids
+            if table and first_k == len(table) - 1:
+                table[-1] = blocks[0]  # the deeper node's copy of a block both touch
+                table.extend(blocks[1:num_blocks])
+            else:
+                table.extend(blocks[:num_blocks])
+            path.append((child, num_blocks))
+            pos += c
+            if c < len(key):
+                break
+            node = child
+        if pos == 0:
+            return NO_MATCH
+        # Blocks that locking this path pins: reclaimable ones among the locked range.
+        pinned: set[int] = set()
+        for path_node, num_blocks in path:
+            for b in path_node.block_ids[:num_blocks]:
+                if pool.soft_count(b) == pool.ref_count(b):
+                    pinned.add(b)
+        last, _ = path[-1]
+        return PrefixMatch(pos, tuple(table), len(pinned), handle=(last, pos - last.start))
+
+    def acquire(self, seq_id: int, match: PrefixMatch) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"RadixPrefixIndex.acquire: seq {seq_id} already tracked")
+        if match.num_tokens == 0:
+            self._seqs[seq_id] = _SeqState(None, 0)
+            return
+        node, num_in_node = match.handle
+        if not node.alive:
+            raise ValueError("RadixPrefixIndex.acquire: stale match (the tree changed since match)")
+        if num_in_node < len(node.key):
+            node = self._split(node, num_in_node)
+        self._lock(node)
+        self._touch_path(node)
+        self._seqs[seq_id] = _SeqState(node, match.num_tokens)
+
+    def commit(
+        self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
+    ) -> None:
+        state = self._seq(seq_id)
+        pos = state.num_tokens
+        end = len(token_ids)
+        if end <= pos:
+            return
+        if (end - 1) // self._block_size >= len(block_ids):
+            raise ValueError(
+                f"RadixPrefixIndex.commit: seq {seq_id} commits {end} tokens "
+                f"but its block table has only {len(block_ids)} blocks"
+            )
+        old = state.node
+        start_node = old if old is not None else self._root(extra_key)
+        new_tokens = list(token_ids[pos:end])
+        if old is not None and self._can_extend(old, block_ids):
+            self._extend(old, new_tokens, block_ids)
+            target = old
+        else:
+            target = self._insert(start_node, pos, new_tokens, block_ids)
+        if target is not old:
+            self._lock(target)
+            if old is not None:
+                self._unlock(old)
+        self._touch_path(target)
+        state.node = target
+        state.num_tokens = end
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        if child_seq_id in self._seqs:
+            raise ValueError(f"RadixPrefixIndex.fork: seq {child_seq_id} already tracked")
+        parent = self._seq(parent_seq_id)
+        if parent.node is not None:
+            self._lock(parent.node)
+        self._seqs[child_seq_id] = _SeqState(parent.node, parent.num_tokens)
+
+    def release(self, seq_id: int) -> None:
+        state = self._seq(seq_id)
+        del self._seqs[seq_id]
+        if state.node is not None:
+            self._unlock(state.node)
+
+    def evict(self, num_blocks: int) -> int:
+        pool = self._bound_pool()
+        num_freed = 0
+        heap = self._heap
+        while num_freed < num_blocks and heap:
+            tick, _, node = heapq.heappop(heap)
+            if not node.alive or node.children or node.lock_count or tick != node.last_access:
+                continue  # stale entry
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[0]]
+            node.alive = False
+            self._num_nodes -= 1
+            for b in node.block_ids:
+                pool.harden(b)
+                if pool.decref(b):
+                    num_freed += 1
+            if parent.parent is not None and not parent.children and parent.lock_count == 0:
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        self._num_evicted_blocks += num_freed
+        return num_freed
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        return self._num_evicted_blocks
+
+    def block_refs(self) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for node in self._iter_nodes():
+            for b in node.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def check(self) -> None:
+        pool = self._bound_pool()
+        bs = self._block_size
+        seq_locks: dict[int, int] = {}
+        for seq_id, state in self._seqs.items():
+            if state.node is None:
+                assert state.num_tokens == 0, f"seq {seq_id}: {state.num_tokens} tokens but no node"
+                continue
+            assert state.node.alive, f"seq {seq_id} points at an evicted node"
+            assert state.node.end == state.num_tokens, (
+                f"seq {seq_id}: node ends at {state.node.end}, seq has {state.num_tokens} tokens"
+            )
+            seq_locks[id(state.node)] = seq_locks.get(id(state.node), 0) + 1
+        soft: dict[int, int] = {}
+        num_nodes = 0
+
+        def visit(node: _Node) -> int:
+            # Returns the number of sequence locks in the subtree (what lock_count must be).
+            nonlocal num_nodes
+            locks = seq_locks.get(id(node), 0)
+            for first, child in node.children.items():
+                num_nodes += 1
+                assert child.alive and child.parent is node, f"node {child.node_id}: broken parent link"
+                assert child.key and child.key[0] == first, f"node {child.node_id}: keyed by wrong token"
+                assert child.start == node.end, f"node {child.node_id}: starts at {child.start}, not {node.end}"
+                want = (child.end - 1) // bs - child.start // bs + 1
+                assert len(child.block_ids) == want, (
+                    f"node {child.node_id}: {len(child.block_ids)} blocks for positions "
+                    f"[{child.start}, {child.end}), want {want}"
+                )
+                assert len(set(child.block_ids)) == len(child.block_ids), f"node {child.node_id}: repeated block"
+                child_locks = visit(child)
+                assert child.lock_count == child_locks, (
+                    f"node {child.node_id}: lock_count={child.lock_count}, live sequences below: {child_locks}"
+                )
+                if child.lock_count == 0:
+                    for b in child.block_ids:
+                        soft[b] = soft.get(b, 0) + 1
+                locks += child_locks
+            return locks
+
+        for root in self._roots.values():
+            assert root.start == 0 and not root.key and not root.block_ids, "malformed root"
+            visit(root)
+        assert num_nodes == self._num_nodes, f"num_nodes={self._num_nodes}, recount {num_nodes}"
+        for b in range(pool.num_blocks):
+            assert pool.soft_count(b) == soft.get(b, 0), (
+                f"block {b}: pool soft refs {pool.soft_count(b)}, unlocked tree refs {soft.get(b, 0)}"
+            )
+
+    # ------------------------------------------------------------------ extras
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def leaves_in_eviction_order(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(start, key) of unlocked leaves, next evicted first. O(nodes log nodes); for tests."""
+        leaves = [n for n in self._iter_nodes() if not n.children and n.lock_count == 0]
+        leaves.sort(key=lambda n: (n.last_access, n.node_id))
+        return [(n.start, tuple(n.key)) for n in leaves]
+
+    def edges(self, extra_key: str | None = None) -> list[tuple[int, tuple[int, ...], tuple[int, ...], int]]:
+        """(start, key, block_ids, lock_count) of every node, depth first; for tests and debugging."""
+        out = []
+        root = self._roots.get(extra_key)
+        stack = [root] if root is not None else []
+        while stack:
+            node = stack.pop()
+            if node is not root:
+                out.append((node.start, tuple(node.key), tuple(node.block_ids), node.lock_count))
+            stack.extend(sorted(node.children.values(), key=lambda n: n.key[0], reverse=True))
+        return out
+
+    # ------------------------------------------------------------------ tree surgery
+    def _new_node(self, parent: _Node | None, key: list[int], start: int, block_ids: list[int]) -> _Node:
+        node = _Node(parent, key, start, block_ids, self._next_node_id)
+        self._next_node_id += 1
+        return node
+
+    def _root(self, extra_key: str | None) -> _Node:
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = self._roots[extra_key] = self._new_node(None, [], 0, [])
+        return root
+
+    def _split(self, node: _Node, num_upper: int) -> _Node:
+        """Cut ``node`` after ``num_upper`` tokens; returns the new upper node (the parent of
+        ``node``, which keeps its identity so sequence states and heap entries stay valid)."""
+        pool = self._bound_pool()
+        bs = self._block_size
+        cut = node.start + num_upper
+        first_k = node.start // bs
+        upper_blocks = node.block_ids[: (cut - 1) // bs - first_k + 1]
+        upper = self._new_node(node.parent, node.key[:num_upper], node.start, upper_blocks)
+        upper.lock_count = node.lock_count
+        upper.last_access = node.last_access
+        node.block_ids = node.block_ids[cut // bs - first_k :]
+        if cut % bs:
+            shared = upper_blocks[-1]  # the block holding both sides of a mid-block cut
+            pool.incref(shared)
+            if upper.lock_count == 0:
+                pool.soften(shared)
+        assert node.parent is not None
+        node.parent.children[node.key[0]] = upper
+        node.key = node.key[num_upper:]
+        node.start = cut
+        node.parent = upper
+        upper.children[node.key[0]] = node
+        self._num_nodes += 1
+        return upper
+
+    def _insert(self, node: _Node, pos: int, tokens: list[int], block_ids: Sequence[int]) -> _Node:
+        """Walk/extend the tree below ``node`` (which ends at ``pos``) with ``tokens``;
+        returns the node ending exactly at ``pos + len(tokens)``. Existing nodes win
+        (de-duplication): the sequence's own blocks are referenced only for new nodes."""
+        pool = self._bound_pool()
+        bs = self._block_size
+        i = 0
+        n = len(tokens)
+        while i < n:
+            child = node.children.get(tokens[i])
+            if child is None:
+                start = pos + i
+                blocks = list(block_ids[start // bs : (pos + n - 1) // bs + 1])
+                leaf = self._new_node(node, tokens[i:], start, blocks)
+                for b in blocks:
+                    pool.incref(b)
+                    pool.soften(b)  # unlocked until the caller locks it
+                node.children[tokens[i]] = leaf
+                self._num_nodes += 1
+                return leaf
+            c = _common_prefix_len(child.key, tokens[i : i + len(child.key)])
+            if c < len(child.key):
+                child = self._split(child, c)
+            i += c
+            node = child
+        return node
+
+    def _can_extend(self, node: _Node, block_ids: Sequence[int]) -> bool:
+        # A leaf locked by exactly one sequence (the caller) is private to it: growing it in
+        # place keeps decode commits O(new tokens) instead of adding a node per token.
+        if node.children or node.lock_count != 1:
+            return False
+        end = node.end
+        if end % self._block_size == 0:
+            return True
+        # The sequence must still write into the node's last block (no copy-on-write since).
+        return node.block_ids[-1] == block_ids[end // self._block_size]
+
+    def _extend(self, node: _Node, tokens: list[int], block_ids: Sequence[int]) -> None:
+        pool = self._bound_pool()
+        bs = self._block_size
+        old_end = node.end
+        node.key.extend(tokens)
+        first_new_k = (old_end - 1) // bs + 1
+        for k in range(first_new_k, (node.end - 1) // bs + 1):
+            b = block_ids[k]
+            pool.incref(b)  # hard: the node is locked
+            node.block_ids.append(b)
+
+    def _lock(self, node: _Node) -> None:
+        pool = self._bound_pool()
+        n: _Node | None = node
+        while n is not None and n.parent is not None:
+            if n.lock_count == 0:
+                for b in n.block_ids:
+                    pool.harden(b)
+            n.lock_count += 1
+            n = n.parent
+
+    def _unlock(self, node: _Node) -> None:
+        pool = self._bound_pool()
+        n: _Node | None = node
+        while n is not None and n.parent is not None:
+            n.lock_count -= 1
+            if n.lock_count == 0:
+                for b in n.block_ids:
+                    pool.soften(b)
+                if not n.children:
+                    heapq.heappush(self._heap, (n.last_access, n.node_id, n))
+            n = n.parent
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._rebuild_heap()
+
+    def _touch_path(self, node: _Node) -> None:
+        self._clock += 1
+        n: _Node | None = node
+        while n is not None and n.parent is not None:
+            n.last_access = self._clock
+            n = n.parent
+
+    def _rebuild_heap(self) -> None:
+        # Drop stale entries: keep one per current unlocked leaf.
+        self._heap = [
+            (n.last_access, n.node_id, n) for n in self._iter_nodes() if not n.children and n.lock_count == 0
+        ]
+        heapq.heapify(self._heap)
+
+    def _iter_nodes(self):
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            stack.extend(node.children.values())
+
+    def _seq(self, seq_id: int) -> _SeqState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"RadixPrefixIndex: unknown seq {seq_id}") from None
+
+    def _bound_pool(self) -> BlockPool:
+        if self._pool is None:
+            raise ValueError("RadixPrefixIndex: not bound to a pool (PagedKVManager binds it)")
+        return self._pool

@@ -1,0 +1,685 @@
+"""Continuous-batching scheduler of the paged engine (tensor-free).
+
+Each ``schedule()`` call plans one engine iteration under two budgets, a token budget
+(``max_num_batched_tokens``) and a sequence budget (``max_num_seqs``), and reserves KV
+slots for it through the KV manager. The order follows vLLM v1 (running first) with
+vLLM v0's swap tier:
+
+1. Running groups, most important first: each gets its next prefill chunk or one
+   decode token per sequence. When the pool cannot grow a group, the least important
+   running group (the end of ``running``) is preempted; if that is the group itself,
+   it preempts itself and the pass ends.
+2. Swapped groups come back (swap-in) when nothing was preempted this step; they run
+   from the next step on.
+3. Waiting groups are admitted first-come-first-served (or by priority) when nothing
+   was preempted and nothing is swapped, as long as their first chunk fits.
+
+Preemption by *recompute* frees the group's blocks (hashed blocks stay in the prefix
+cache, so it may hit its own prefix when it returns) and puts it back in the waiting
+queue; by *swap* it moves the blocks to the host pool (falling back to recompute when
+the host pool is full). ``victim_policy`` orders both queues: ``newest`` (arrival order,
+the newest is preempted first) or ``priority`` (``Request.priority``, lower is more
+important, then arrival).
+
+Beam search runs its beams in lockstep: a beam group only decodes when every beam has
+exactly one token left to compute, so that the engine can rank all candidates at once.
+After a recompute preemption each beam re-prefills up to (not including) its last
+token, and the beams then decode together.
+
+The scheduler never touches tensors: the KV work it implies is returned as ``KVOps``
+(copies and swaps, in issue order) and the computation as ``ScheduledChunk`` entries,
+so the same code drives a real executor or a cost model.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvbench.engines.sequence import GroupStatus, Sequence, SequenceGroup
+
+from kvbench.types import FinishedRequest, RejectedRequest, Request
+
+if TYPE_CHECKING:
+    from kvbench.engines.kv_manager import KVOps, PagedKVManager
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+# --------------------------------------------------------------------------- policies
+class NewestVictimPolicy:
+    """Serve in arrival order; preempt the most recently arrived group first (vLLM's default)."""
+
+    name = "newest"
+
+    @staticmethod
+    def key(group: SequenceGroup) -> tuple[int, ...]:
+        return (group.arrival_index,)
+
+
+class PriorityVictimPolicy:
+    """Serve by ``Request.priority`` (lower first), then arrival; preempt the least important."""
+
+    name = "priority"
+
+    @staticmethod
+    def key(group: SequenceGroup) -> tuple[int, ...]:
+        return (group.request.priority, group.arrival_index)
+
+
+VICTIM_POLICIES: dict[str, Callable[[], Any]] = {
+    "newest": NewestVictimPolicy,
+    "priority": PriorityVictimPolicy,
+}
+
+
+# --------------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduler. ``validate`` names the offending ``engine.*`` parameter."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    chunked_prefill: bool = True
+    preemption: str = "recompute"
+    victim_policy: str = "newest"
+    max_model_len: int = 2048
+
+    def validate(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"engine.max_num_seqs: must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"engine.max_num_batched_tokens: must be > 0, got {self.max_num_batched_tokens}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"engine.preemption: must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.victim_policy not in VICTIM_POLICIES:
+            raise ValueError(
+                f"engine.victim_policy: must be one of {tuple(VICTIM_POLICIES)}, got {self.victim_policy!r}"
+            )
+        if self.max_model_len <= 0:
+            raise ValueError(f"engine.max_model_len: must be > 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens of one sequence to compute this step.
+
+    ``token_ids`` sit at positions ``[start_pos, start_pos + len(token_ids))``; their K/V
+    go to the slots given by ``block_table`` (physical block ids in logical order, valid
+    after this step's ``kv_ops``). ``sample`` asks for logits of the last token.
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    is_decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One iteration's plan: what to compute and the KV work to do first.
+
+    ``kv_ops`` must be applied in order (a block swapped out may be reused by a later
+    allocation of the same step), before the forward pass.
+    """
+
+    chunks: tuple[ScheduledChunk, ...]
+    kv_ops: tuple[KVOps, ...]
+    block_size: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+    num_recomputed_tokens: int
+    first_scheduled: tuple[str, ...]
+    rejected: tuple[RejectedRequest, ...]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_sampling_chunks(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.sample)
+
+
+class _Piece:
+    """A chunk being planned (mutable while the step is planned)."""
+
+    __slots__ = ("group", "seq", "start", "num_tokens")
+
+    def __init__(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
+        self.group = group
+        self.seq = seq
+        self.start = start
+        self.num_tokens = num_tokens
+
+
+# --------------------------------------------------------------------------- scheduler
+class Scheduler:
+    """Queues of sequence groups plus the step planner; owns the KV manager's sequence ids.
+
+    Call order per engine step: ``schedule()`` -> (executor runs the chunks) ->
+    ``complete_step()`` -> token updates (``append_token`` / ``fork_samples`` /
+    ``advance_beams``) -> ``pop_finished()``. Misuse (a token for a sequence that is not
+    running) raises ``KeyError`` naming the sequence.
+    """
+
+    def __init__(self, kv: PagedKVManager, config: SchedulerConfig, eos_token_id: int) -> None:
+        config.validate()
+        self.kv = kv
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.policy = VICTIM_POLICIES[config.victim_policy]()
+        self.block_size = kv.block_size
+        self.waiting: list[SequenceGroup] = []  # sorted by policy key
+        self.running: list[SequenceGroup] = []  # sorted by policy key; victims from the end
+        self.swapped: list[SequenceGroup] = []  # sorted by policy key
+        self._seqs: dict[int, tuple[SequenceGroup, Sequence]] = {}
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self._num_running_seqs = 0  # sum of num_samples over running groups (seq budget)
+        self._pending_rejections: list[RejectedRequest] = []
+        self._finished: list[FinishedRequest] = []
+        # Per-step planning state.
+        self._pieces: list[_Piece] = []
+        self._ops: list[KVOps] = []
+        self._budget = 0
+        self._num_preemptions = 0
+        self._last_pieces: list[_Piece] = []
+
+    # ------------------------------------------------------------------ queue
+    def add(self, request: Request) -> None:
+        """Queue ``request`` as a new waiting group, or record why it can never run.
+
+        Mutates the waiting queue (or the pending rejections reported by the next
+        ``schedule``); never raises for an unfit request.
+        """
+        reason = self._static_reject_reason(request)
+        if reason is not None:
+            self._pending_rejections.append(RejectedRequest(request.request_id, reason))
+            return
+        group = SequenceGroup(request, self._next_arrival, self._new_seq_id(), self.eos_token_id)
+        self._next_arrival += 1
+        self._seqs[group.seqs[0].seq_id] = (group, group.seqs[0])
+        self._insert(self.waiting, group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._pending_rejections)
+
+    def num_blocks_needed(self, request: Request) -> int:
+        """Blocks the request holds at its peak if its samples share only the prompt's full blocks.
+
+        Every sample holds at most prompt + max_new_tokens - 1 slots (the last sampled
+        token is never fed back); the prompt's full blocks are shared after a fork.
+        """
+        bs = self.block_size
+        num_samples = request.beam_width if request.beam_width > 1 else request.n
+        max_len = request.num_prompt_tokens + request.max_new_tokens - 1
+        shared = request.num_prompt_tokens // bs
+        per_sample = -(-max_len // bs) - shared
+        return shared + num_samples * per_sample
+
+    def _static_reject_reason(self, request: Request) -> str | None:
+        cfg = self.config
+        num_samples = request.beam_width if request.beam_width > 1 else request.n
+        if request.num_prompt_tokens == 0:
+            return "empty prompt"
+        if request.max_new_tokens <= 0:
+            return f"max_new_tokens must be > 0, got {request.max_new_tokens}"
+        if request.n < 1 or request.beam_width < 1:
+            return f"n and beam_width must be >= 1, got n={request.n}, beam_width={request.beam_width}"
+        if request.n > 1 and request.beam_width > 1:
+            return "n > 1 together with beam_width > 1 is not supported"
+        total = request.num_prompt_tokens + request.max_new_tokens
+        if total > cfg.max_model_len:
+            return (
+                f"prompt {request.num_prompt_tokens} + max_new_tokens {request.max_new_tokens} = {total} "
+                f"exceeds the model's max positions {cfg.max_model_len}"
+            )
+        if num_samples > cfg.max_num_seqs:
+            return f"needs {num_samples} sequences, more than engine.max_num_seqs={cfg.max_num_seqs}"
+        if not cfg.chunked_prefill and request.num_prompt_tokens > cfg.max_num_batched_tokens:
+            return (
+                f"prompt {request.num_prompt_tokens} tokens exceeds engine.max_num_batched_tokens="
+                f"{cfg.max_num_batched_tokens} with chunked_prefill off"
+            )
+        needed = self.num_blocks_needed(request)
+        if needed > self.kv.num_blocks:
+            return f"needs {needed} KV blocks of {self.block_size} tokens, the whole pool has {self.kv.num_blocks}"
+        return None
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> SchedulerOutput:
+        """Plan one iteration: reserve KV slots, preempt, swap and admit (see module doc).
+
+        Mutates the queues, the KV manager (append/allocate/free/swap) and group counters.
+        """
+        self._pieces = []
+        self._ops = []
+        self._budget = self.config.max_num_batched_tokens
+        self._num_preemptions = 0
+        first_scheduled: list[str] = []
+        rejected, self._pending_rejections = self._pending_rejections, []
+
+        index = 0
+        while index < len(self.running):
+            group = self.running[index]
+            if self._schedule_running(group):
+                index += 1
+        if self._num_preemptions == 0:
+            self._swap_in_groups()
+        if self._num_preemptions == 0 and not self.swapped:
+            self._admit_waiting(first_scheduled)
+
+        if not self._pieces and not self.running:
+            rejected.extend(self._reject_stuck_head())
+
+        chunks, num_prefill, num_decode, num_recomputed = self._finalize_pieces()
+        return SchedulerOutput(
+            chunks=chunks,
+            kv_ops=tuple(self._ops),
+            block_size=self.block_size,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            num_preemptions=self._num_preemptions,
+            num_recomputed_tokens=num_recomputed,
+            first_scheduled=tuple(first_scheduled),
+            rejected=tuple(rejected),
+        )
+
+    def _num_tokens_to_run(self, group: SequenceGroup, seq: Sequence, hold_last: bool) -> int:
+        """Tokens of ``seq`` to compute now under the remaining budget (0: nothing now)."""
+        target = len(seq.token_ids) - (1 if hold_last else 0)
+        remaining = target - seq.num_computed_tokens
+        if remaining <= 0:
+            return 0
+        if self.config.chunked_prefill:
+            return min(remaining, self._budget)
+        # Without chunking a prefill runs whole; one larger than the budget (a recompute
+        # of prompt + outputs) may run alone in an otherwise empty step.
+        if remaining <= self._budget or not self._pieces:
+            return remaining
+        return 0
+
+    def _hold_last(self, group: SequenceGroup) -> bool:
+        """Beams compute their last token only together (lockstep ranking)."""
+        return group.is_beam and group.has_forked and any(s.num_uncomputed_tokens > 1 for s in group.seqs)
+
+    def _schedule_running(self, group: SequenceGroup) -> bool:
+        """Give a running group its tokens, preempting from the end. False if it preempted itself."""
+        if self._budget <= 0:
+            return True
+        hold_last = self._hold_last(group)
+        if group.is_beam and group.has_forked and not hold_last and len(group.seqs) > self._budget:
+            return True  # lockstep decode needs one token per beam in the same step
+        kv = self.kv
+        for seq in group.seqs:
+            num_tokens = self._num_tokens_to_run(group, seq, hold_last)
+            if num_tokens == 0:
+                continue
+            while not kv.can_append(seq.seq_id, num_tokens):
+                victim = self.running[-1]
+                if victim is group:
+                    self._preempt_self(group)
+                    return False
+                self.running.pop()
+                self._preempt(victim)
+            self._ops.append(kv.append(seq.seq_id, num_tokens))
+            self._add_piece(group, seq, seq.num_computed_tokens, num_tokens)
+        return True
+
+    def _add_piece(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
+        self._pieces.append(_Piece(group, seq, start, num_tokens))
+        self._budget -= num_tokens
+
+    def _drop_pieces(self, group: SequenceGroup) -> None:
+        kept = [piece for piece in self._pieces if piece.group is not group]
+        self._budget += sum(p.num_tokens for p in self._pieces if p.group is group)
+        self._pieces = kept
+
+    def _preempt_self(self, group: SequenceGroup) -> None:
+        """The group cannot grow even after every less important group was preempted."""
+        self._drop_pieces(group)
+        self.running.remove(group)
+        if not self.running:
+            # Alone in the pool and still no room: it would loop forever. Reject it.
+            self._release(group)
+            self._pending_rejections.append(
+                RejectedRequest(
+                    group.request_id,
+                    f"does not fit in the KV pool ({self.kv.num_blocks} blocks) even when running alone",
+                )
+            )
+            self._num_running_seqs -= group.num_samples
+            return
+        self._preempt(group)
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        """Evict a running group (already removed from ``running``): swap or recompute."""
+        group.num_preemptions += 1
+        self._num_preemptions += 1
+        self._num_running_seqs -= group.num_samples
+        if self.config.preemption == "swap" and self._swap_out(group):
+            group.status = GroupStatus.SWAPPED
+            self._insert(self.swapped, group)
+            return
+        for seq in group.seqs:
+            seq.num_lost_tokens = max(seq.num_lost_tokens, seq.num_computed_tokens)
+            seq.num_computed_tokens = 0
+            self.kv.free(seq.seq_id)
+        group.status = GroupStatus.WAITING
+        self._insert(self.waiting, group)
+
+    def _swap_out(self, group: SequenceGroup) -> bool:
+        """Move every sequence's blocks to the host; on a full host pool undo and return False."""
+        moved: list[Sequence] = []
+        for seq in group.seqs:
+            if not self.kv.can_swap_out(seq.seq_id):
+                break
+            self._ops.append(self.kv.swap_out(seq.seq_id))
+            moved.append(seq)
+        else:
+            return True
+        # Bring the moved ones back (their device blocks were just freed, so they fit):
+        # the caller then recomputes the whole group.
+        for seq in moved:
+            self._ops.append(self.kv.swap_in(seq.seq_id))
+        return False
+
+    def _swap_in_groups(self) -> None:
+        """Bring swapped groups back in policy order while blocks and sequence slots allow."""
+        while self.swapped:
+            group = self.swapped[0]
+            if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
+                return
+            moved: list[Sequence] = []
+            for seq in group.seqs:
+                if not self.kv.can_swap_in(seq.seq_id):
+                    break
+                self._ops.append(self.kv.swap_in(seq.seq_id))
+                moved.append(seq)
+            else:
+                self.swapped.pop(0)
+                group.status = GroupStatus.RUNNING
+                self._num_running_seqs += group.num_samples
+                self._insert(self.running, group)
+                continue
+            for seq in moved:  # not enough room for the whole group: put them back
+                self._ops.append(self.kv.swap_out(seq.seq_id))
+            return
+
+    def _admit_waiting(self, first_scheduled: list[str]) -> None:
+        """Admit waiting groups in order while their first chunk fits (head-of-line blocking)."""
+        kv = self.kv
+        while self.waiting and self._budget > 0:
+            group = self.waiting[0]
+            if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
+                return
+            hold_last = group.is_beam and group.has_forked
+            salt = group.request.cache_salt
+            admitted: list[Sequence] = []
+            for seq in group.seqs:
+                cached = kv.num_cached_tokens(seq.token_ids, salt)
+                remaining = len(seq.token_ids) - (1 if hold_last else 0) - cached
+                if remaining <= 0:
+                    # A beam whose whole history but its last token is cached: nothing
+                    # to compute now, but it still needs its blocks attached.
+                    remaining = 0
+                num_tokens = min(remaining, self._budget) if self.config.chunked_prefill else remaining
+                if not self.config.chunked_prefill and remaining > self._budget and self._pieces:
+                    break
+                if not kv.can_allocate(seq.seq_id, seq.token_ids, num_tokens, salt):
+                    break
+                num_cached, ops = kv.allocate(seq.seq_id, seq.token_ids, num_tokens, salt)
+                self._ops.append(ops)
+                seq.num_computed_tokens = num_cached
+                admitted.append(seq)
+                if num_tokens > 0:
+                    self._add_piece(group, seq, num_cached, num_tokens)
+            else:
+                self.waiting.pop(0)
+                group.status = GroupStatus.RUNNING
+                self._num_running_seqs += group.num_samples
+                self._insert(self.running, group)
+                if not group.was_scheduled:
+                    group.was_scheduled = True
+                    group.num_cached_prompt_tokens = group.seqs[0].num_computed_tokens
+                    first_scheduled.append(group.request_id)
+                continue
+            # The group does not fit now: undo its partial admission and stop (FCFS).
+            self._drop_pieces(group)
+            for seq in admitted:
+                seq.num_computed_tokens = 0
+                kv.free(seq.seq_id)
+            return
+
+    def _reject_stuck_head(self) -> list[RejectedRequest]:
+        """Nothing runs and nothing was scheduled: the head can never start, so reject it."""
+        queue = self.swapped or self.waiting
+        if not queue:
+            return []
+        group = queue.pop(0)
+        self._release(group)
+        where = "swapped" if queue is self.swapped else "waiting"
+        return [
+            RejectedRequest(
+                group.request_id,
+                f"cannot be scheduled on an idle engine ({where}; KV pool {self.kv.num_blocks} blocks, "
+                f"{self.kv.usage().num_blocks_free} free)",
+            )
+        ]
+
+    def _release(self, group: SequenceGroup) -> None:
+        """Drop every KV reference of ``group`` (device or host) and forget its sequences."""
+        for seq in group.seqs:
+            if group.status is not GroupStatus.WAITING or seq.num_computed_tokens > 0:
+                self.kv.free(seq.seq_id)
+            self._seqs.pop(seq.seq_id, None)
+        group.status = GroupStatus.FINISHED
+
+    def _finalize_pieces(self) -> tuple[tuple[ScheduledChunk, ...], int, int, int]:
+        kv = self.kv
+        chunks = []
+        num_prefill = num_decode = num_recomputed = 0
+        touched: dict[int, SequenceGroup] = {}
+        for piece in self._pieces:
+            seq, start, num_tokens = piece.seq, piece.start, piece.num_tokens
+            end = start + num_tokens
+            seq_len = len(seq.token_ids)
+            is_decode = num_tokens == 1 and start == seq_len - 1 and start >= seq.num_prompt_tokens
+            if is_decode:
+                num_decode += 1
+            else:
+                num_prefill += num_tokens
+            if start < seq.num_lost_tokens:
+                lost = min(end, seq.num_lost_tokens) - start
+                num_recomputed += lost
+                piece.group.num_recomputed_tokens += lost
+            token_ids = (seq.token_ids[start],) if num_tokens == 1 else tuple(seq.token_ids[start:end])
+            chunks.append(
+                ScheduledChunk(
+                    seq_id=seq.seq_id,
+                    token_ids=token_ids,
+                    start_pos=start,
+                    block_table=tuple(kv.block_table(seq.seq_id)),
+                    sample=end == seq_len,
+                    is_decode=is_decode,
+                )
+            )
+            touched[id(piece.group)] = piece.group
+        for group in touched.values():
+            self._update_peaks(group)
+        self._last_pieces = self._pieces
+        return tuple(chunks), num_prefill, num_decode, num_recomputed
+
+    # ------------------------------------------------------------------ after the forward
+    def complete_step(self) -> list[tuple[SequenceGroup, Sequence]]:
+        """Mark the last schedule's chunks computed and register full blocks for reuse.
+
+        Returns the (group, sequence) of every chunk with ``sample=True``, in chunk order:
+        row i of the executor's logits belongs to entry i. Mutates the sequences'
+        computed counts and the KV manager's prefix index (``commit``).
+        """
+        targets = []
+        kv = self.kv
+        for piece in self._last_pieces:
+            seq = piece.seq
+            seq.num_computed_tokens = piece.start + piece.num_tokens
+            computed = seq.num_computed_tokens
+            kv.commit(seq.seq_id, seq.token_ids if computed == len(seq.token_ids) else seq.token_ids[:computed])
+            if computed == len(seq.token_ids):
+                targets.append((piece.group, seq))
+        self._last_pieces = []
+        return targets
+
+    def append_token(self, group: SequenceGroup, seq: Sequence, token_id: int) -> None:
+        """Append a sampled token to ``seq``; retire the sequence (and group) when done.
+
+        Mutates the sequence, may free its KV and queue a FinishedRequest.
+        """
+        seq.token_ids.append(token_id)
+        if group.is_finished_token(seq):
+            self._finish_seq(group, seq)
+
+    def fork_samples(self, group: SequenceGroup, token_ids: list[int]) -> list[Sequence]:
+        """Parallel sampling: split the prompt sequence into ``len(token_ids)`` samples.
+
+        Sample i gets token_ids[i]; samples 1.. share every block of sample 0 (KV fork).
+        Returns the samples in order. Mutates the group, the KV manager and peak counters.
+        """
+        parent = group.seqs[0]
+        samples = [parent]
+        for index in range(1, len(token_ids)):
+            child = parent.fork(self._new_seq_id(), index)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            self._seqs[child.seq_id] = (group, child)
+            samples.append(child)
+        group.seqs = list(samples)
+        group.has_forked = True
+        self._update_peaks(group)
+        for sample, token in zip(samples, token_ids):
+            self.append_token(group, sample, token)
+        return samples
+
+    def advance_beams(
+        self,
+        group: SequenceGroup,
+        chosen: list[tuple[Sequence, int, float]],
+        finished: list[tuple[float, tuple[int, ...]]],
+    ) -> list[Sequence]:
+        """Replace the beams by ``chosen`` (parent beam, token, new cumulative logprob), best first.
+
+        A parent chosen k times is kept once and forked k-1 times (sharing its blocks,
+        the partial last block copied on the next write); parents never chosen are freed.
+        ``finished`` hypotheses (score, output tokens) end here (EOS). Beams stop at
+        max_new_tokens, or early once ``beam_width`` finished hypotheses beat every live
+        beam (scores only fall). Returns the live beams. Mutates the group and the KV manager.
+        """
+        kv = self.kv
+        chosen_parents = {id(parent) for parent, _, _ in chosen}
+        for beam in group.seqs:
+            if id(beam) not in chosen_parents:
+                kv.free(beam.seq_id)
+                self._seqs.pop(beam.seq_id, None)
+        # Forks first (copying the parent's tokens before its own new token is appended).
+        used: set[int] = set()
+        targets: list[Sequence] = []
+        for rank, (parent, _, _) in enumerate(chosen):
+            if id(parent) in used:
+                child = parent.fork(self._new_seq_id(), rank)
+                kv.fork(parent.seq_id, child.seq_id)
+                self._seqs[child.seq_id] = (group, child)
+                targets.append(child)
+            else:
+                used.add(id(parent))
+                targets.append(parent)
+        for rank, (beam, (_, token, score)) in enumerate(zip(targets, chosen)):
+            beam.sample_index = rank
+            beam.token_ids.append(token)
+            beam.cum_logprob = score
+        group.seqs = targets
+        group.has_forked = True
+        group.finished_beams.extend(finished)
+        self._update_peaks(group)
+        width = group.request.beam_width
+        best_live = max((b.cum_logprob for b in targets), default=float("-inf"))
+        done_scores = sorted((s for s, _ in group.finished_beams), reverse=True)
+        at_length = any(b.num_output_tokens >= group.request.max_new_tokens for b in targets)
+        early = len(done_scores) >= width and done_scores[width - 1] >= best_live
+        if at_length or early or not targets:
+            for beam in targets:
+                if at_length:
+                    group.finished_beams.append((beam.cum_logprob, beam.output_token_ids))
+                kv.free(beam.seq_id)
+                self._seqs.pop(beam.seq_id, None)
+            group.seqs = []
+            self._retire(group)
+        return group.seqs
+
+    def pop_finished(self) -> list[FinishedRequest]:
+        """Requests completed since the last call (clears the list)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    # ------------------------------------------------------------------ internals
+    def _finish_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        self._seqs.pop(seq.seq_id, None)
+        group.finished_outputs[seq.sample_index] = seq.output_token_ids
+        group.seqs.remove(seq)
+        if group.is_done:
+            self._retire(group)
+
+    def _retire(self, group: SequenceGroup) -> None:
+        if group.status is GroupStatus.RUNNING:
+            self.running.remove(group)
+            self._num_running_seqs -= group.num_samples
+        group.status = GroupStatus.FINISHED
+        self._finished.append(group.to_finished())
+
+    def _update_peaks(self, group: SequenceGroup) -> None:
+        """Track the most KV slots the group held at once, with and without sharing."""
+        kv = self.kv
+        if len(group.seqs) == 1:
+            slots = kv.num_tokens(group.seqs[0].seq_id)
+            if slots > group.peak_kv_slots:
+                group.peak_kv_slots = slots
+            if slots > group.peak_kv_slots_unshared:
+                group.peak_kv_slots_unshared = slots
+            return
+        bs = self.block_size
+        used_per_block: dict[int, int] = {}
+        unshared = 0
+        for seq in group.seqs:
+            num_tokens = kv.num_tokens(seq.seq_id)
+            unshared += num_tokens
+            for logical, block in enumerate(kv.block_table(seq.seq_id)):
+                used = min(bs, num_tokens - logical * bs)
+                if used > used_per_block.get(block, 0):
+                    used_per_block[block] = used
+        distinct = sum(used_per_block.values())
+        group.peak_kv_slots = max(group.peak_kv_slots, distinct)
+        group.peak_kv_slots_unshared = max(group.peak_kv_slots_unshared, unshared)
+
+    def _insert(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
+        bisect.insort(queue, group, key=self.policy.key)
+
+    def _new_seq_id(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
+
+    def group_of(self, seq_id: int) -> SequenceGroup:
+        """The group owning a live sequence; KeyError naming the id otherwise."""
+        try:
+            return self._seqs[seq_id][0]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id} is not live in the scheduler") from None

@@ -1,0 +1,171 @@
+r"""Per-request decoding state of the paged engine: sequences and the group a request forms.
+
+A request becomes one ``SequenceGroup``. It starts with a single ``Sequence`` (the
+prompt); when the prompt's last token has been computed, parallel sampling (``n > 1``)
+or beam search (``beam_width > 1``) forks it into several sequences that share the
+prompt's KV blocks. Everything here is plain Python (no tensors, no KV accounting):
+the scheduler owns the KV manager and mutates these objects.
+
+Token bookkeeping of one sequence::
+
+    token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... o(k-1) ]
+                 \_____ prompt ____/ \__ outputs ___/
+    num_computed_tokens: how many leading tokens have their K/V written in the pool.
+    While decoding, num_computed_tokens == len(token_ids) - 1: the newest sampled token
+    is fed to the model in the next step.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kvbench.types import FinishedRequest, Request
+
+
+class GroupStatus(enum.Enum):
+    WAITING = "waiting"  # no KV held: new, or preempted by recompute
+    RUNNING = "running"  # every live sequence holds its KV blocks on the device
+    SWAPPED = "swapped"  # every live sequence's blocks are in the host pool
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One token stream (a sample or a beam). Mutable; owned by its group."""
+
+    __slots__ = (
+        "seq_id",
+        "sample_index",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_lost_tokens",
+        "cum_logprob",
+    )
+
+    def __init__(self, seq_id: int, sample_index: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.seq_id = seq_id
+        self.sample_index = sample_index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0
+        # Tokens whose K/V was computed before a recompute preemption threw it away:
+        # computing any of them again counts as recomputation.
+        self.num_lost_tokens = 0
+        self.cum_logprob = 0.0  # beam score: sum of chosen tokens' log-probabilities
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.token_ids[self.num_prompt_tokens :])
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def fork(self, seq_id: int, sample_index: int) -> Sequence:
+        """A copy with a new id: same tokens, same computed prefix (its KV is shared)."""
+        child = Sequence(seq_id, sample_index, list(self.token_ids), self.num_prompt_tokens)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_lost_tokens = self.num_lost_tokens
+        child.cum_logprob = self.cum_logprob
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, sample={self.sample_index}, len={len(self.token_ids)}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+class SequenceGroup:
+    """All sequences of one request plus the per-request counters the engine reports.
+
+    ``seqs`` holds the live sequences, in sample order (parallel sampling) or best-first
+    (beam search). Finished samples leave ``seqs`` and their outputs are kept in
+    ``finished_outputs`` (sample_index -> tokens) or, for beams, ``finished_beams``
+    ((score, tokens) hypotheses).
+    """
+
+    __slots__ = (
+        "request",
+        "arrival_index",
+        "seqs",
+        "status",
+        "has_forked",
+        "finished_outputs",
+        "finished_beams",
+        "num_preemptions",
+        "num_recomputed_tokens",
+        "num_cached_prompt_tokens",
+        "was_scheduled",
+        "peak_kv_slots",
+        "peak_kv_slots_unshared",
+        "eos_token_id",
+    )
+
+    def __init__(self, request: Request, arrival_index: int, first_seq_id: int, eos_token_id: int) -> None:
+        self.request = request
+        self.eos_token_id = eos_token_id
+        self.arrival_index = arrival_index
+        prompt = list(request.prompt_token_ids)
+        self.seqs: list[Sequence] = [Sequence(first_seq_id, 0, prompt, len(prompt))]
+        self.status = GroupStatus.WAITING
+        self.has_forked = False
+        self.finished_outputs: dict[int, tuple[int, ...]] = {}
+        self.finished_beams: list[tuple[float, tuple[int, ...]]] = []
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.was_scheduled = False
+        self.peak_kv_slots = 0
+        self.peak_kv_slots_unshared = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def is_beam(self) -> bool:
+        return self.request.beam_width > 1
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences this request runs at most at once (n, or the beam width)."""
+        return self.request.beam_width if self.is_beam else self.request.n
+
+    @property
+    def is_done(self) -> bool:
+        return not self.seqs
+
+    def is_finished_token(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has produced its last token (length limit, or EOS unless ignored)."""
+        if seq.num_output_tokens >= self.request.max_new_tokens:
+            return True
+        return (
+            not self.request.ignore_eos
+            and seq.num_output_tokens > 0
+            and seq.token_ids[-1] == self.eos_token_id
+        )
+
+    def to_finished(self) -> FinishedRequest:
+        """The request's record once every sequence is done; beams best first."""
+        if self.is_beam:
+            ranked = sorted(self.finished_beams, key=lambda beam: -beam[0])[: self.request.beam_width]
+            outputs = tuple(tokens for _, tokens in ranked)
+        else:
+            outputs = tuple(self.finished_outputs[i] for i in sorted(self.finished_outputs))
+        return FinishedRequest(
+            request_id=self.request_id,
+            output_token_ids=outputs,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            num_preemptions=self.num_preemptions,
+            num_recomputed_tokens=self.num_recomputed_tokens,
+            peak_kv_slots=self.peak_kv_slots,
+            peak_kv_slots_unshared=self.peak_kv_slots_unshared,
+        )
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, {self.status.value}, seqs={self.seqs})"

@@ -1,0 +1,151 @@
+"""Simulation mode for engines built on the shared scheduler: a cost-model executor.
+
+``CostModelExecutor`` implements the executor interface of ``engines/executor.py``
+(``execute(SchedulerOutput) -> ExecutionResult``) without tensors: it reads the step's
+chunks and KV ops, asks the roofline cost model (kvbench.sim.cost_model) how long the
+step takes, and returns ``ExecutionResult(logits=None, modeled_duration_s=...)``. The
+scheduler, the KV manager and the prefix index run unchanged, so block counts per step
+are exactly those of a real engine with the same pool; without logits the paged engine
+feeds each sequence a seeded stand-in token (``PagedEngine._advance_without_logits``),
+so prefix caches see the same reuse a real run would for the prompts.
+
+The pool of a simulated engine is sized the way real engines size theirs on
+``ctx.hardware`` (kvbench.sim.pool), unless a block count is given::
+
+    sim_setup(ctx, block_size=16, num_blocks=None)  ->  (num_blocks, executor)
+
+``simulated_engine`` wraps any engine factory that accepts ``num_blocks=`` and
+``executor=`` keywords (the paged engine) for use as a Hydra target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvbench.engines.executor import ExecutionResult
+from kvbench.sim.cost_model import CostModel, StepShape
+from kvbench.sim.pool import plan_kv_pool
+from kvbench.sizing import DEFAULT_ACTIVATION_RESERVE_BYTES, kv_bytes_per_block
+from kvbench.types import Engine, EngineContext
+
+if TYPE_CHECKING:
+    from kvbench.engines.scheduler import SchedulerOutput
+
+
+class CostModelExecutor:
+    """Executor of simulation mode (see module docstring). Keeps running totals only.
+
+    ``execute`` mutates ``num_steps`` and ``total_modeled_s`` and nothing else; it never
+    raises for a well-formed ``SchedulerOutput``.
+    """
+
+    def __init__(self, cost_model: CostModel, *, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"engine.block_size: must be > 0, got {block_size}")
+        self.cost_model = cost_model
+        self.block_size = block_size
+        self.bytes_per_block = block_size * cost_model.kv_bytes_per_token
+        self.num_steps = 0
+        self.total_modeled_s = 0.0
+
+    @classmethod
+    def from_context(cls, ctx: EngineContext, *, block_size: int) -> CostModelExecutor:
+        """Cost model of ``ctx.spec`` on ``ctx.hardware``: KV in ``ctx.kv_dtype``, weights in
+        ``ctx.spec.dtype`` (an FP8 checkpoint is ``model.dtype=fp8``)."""
+        return cls(CostModel.for_dtypes(ctx.spec, ctx.hardware, ctx.kv_dtype, ctx.spec.dtype), block_size=block_size)
+
+    def shape(self, output: SchedulerOutput) -> StepShape:
+        """The step's composition: decode chunks by context length, prefill chunks by
+        (start, length), swapped blocks as host bytes. Pure."""
+        prefill_chunks = []
+        decode_lens = []
+        for chunk in output.chunks:
+            if chunk.is_decode:
+                decode_lens.append(chunk.start_pos + 1)
+            else:
+                prefill_chunks.append((chunk.start_pos, chunk.num_tokens))
+        num_swapped = sum(len(op.swap_out) + len(op.swap_in) for op in output.kv_ops)
+        return StepShape.build(prefill_chunks, decode_lens, num_swapped * self.bytes_per_block)
+
+    def execute(self, output: SchedulerOutput) -> ExecutionResult:
+        """No tensors: the modeled duration of ``output`` and no logits."""
+        duration_s = self.cost_model.duration_s(self.shape(output))
+        self.num_steps += 1
+        self.total_modeled_s += duration_s
+        return ExecutionResult(logits=None, modeled_duration_s=duration_s)
+
+    def describe(self) -> dict[str, Any]:
+        hw = self.cost_model.hardware
+        return {
+            "executor": "cost_model",
+            "sim_hardware": hw.name,
+            "sim_weight_bytes": self.cost_model.weight_bytes,
+            "sim_memory_efficiency": hw.memory_efficiency,
+            "sim_mfu": hw.mfu,
+        }
+
+
+def sim_setup(
+    ctx: EngineContext,
+    *,
+    block_size: int,
+    num_blocks: int | None,
+    gpu_memory_utilization: float = 0.9,
+    activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES,
+    log: Callable[[str], None] | None = print,
+) -> tuple[int, CostModelExecutor]:
+    """Block count and executor of a simulated engine.
+
+    ``num_blocks=None`` sizes the pool from ``ctx.hardware`` like a real engine
+    (kvbench.sim.pool.plan_kv_pool) and passes its one-line summary to ``log``.
+    Raises SpecError (weights do not fit, bad dtype) or ValueError naming the parameter.
+    """
+    if num_blocks is None:
+        plan = plan_kv_pool(
+            ctx.spec,
+            ctx.hardware,
+            kv_dtype=ctx.kv_dtype,
+            weight_dtype=ctx.spec.dtype,
+            block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            activation_reserve_bytes=activation_reserve_bytes,
+        )
+        num_blocks = plan.num_blocks
+        if log is not None:
+            log(plan.summary())
+    elif num_blocks <= 0:
+        raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
+    kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)  # validates block_size and dtype
+    return num_blocks, CostModelExecutor.from_context(ctx, block_size=block_size)
+
+
+def simulated_engine(
+    ctx: EngineContext,
+    *,
+    engine: Callable[..., Engine],
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES,
+    name: str | None = None,
+) -> Engine:
+    """Build ``engine(ctx, block_size=, num_blocks=, executor=)`` for simulation mode.
+
+    ``engine`` is a partial of an engine class built on the shared scheduler (Hydra:
+    ``engine: {_target_: kvbench.engines.paged.PagedEngine, _partial_: true, ...}``).
+    Raises ValueError when ``ctx.mode`` is not "sim" (a real run must not be modeled).
+    """
+    if ctx.mode != "sim":
+        raise ValueError(f"engine: the simulated engine needs run.mode=sim, got {ctx.mode!r}")
+    num_blocks, executor = sim_setup(
+        ctx,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        gpu_memory_utilization=gpu_memory_utilization,
+        activation_reserve_bytes=activation_reserve_bytes,
+    )
+    built = engine(ctx, block_size=block_size, num_blocks=num_blocks, executor=executor)
+    if name is not None:
+        built.name = name
+    return built

@@ -1,0 +1,175 @@
+"""Structured-config schemas and the validation every entry point shares.
+
+Hydra composes YAML from ``conf/``; ``validate_config`` re-merges the result into
+``OmegaConf.structured(Config)`` so that unknown keys (``+key=`` additions too) and
+wrong types fail with a message that names the key, then checks values that the
+types cannot express (kv heads dividing q heads, positive lengths, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kvbench.specs import HardwareSpec, ModelSpec, SpecError, dtype_bits
+
+
+def schema_of(spec_cls: type) -> type:
+    """A mutable dataclass with ``spec_cls``'s fields, types and defaults.
+
+    The specs are frozen (records must not change after construction), but OmegaConf
+    turns a frozen dataclass into a read-only node that Hydra cannot override, so the
+    config schema is derived from the spec instead of being written twice.
+    """
+    hints = get_type_hints(spec_cls)
+    fields = [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(spec_cls)]
+    return dataclasses.make_dataclass(f"{spec_cls.__name__}Schema", fields)
+
+
+ModelSchema = schema_of(ModelSpec)
+HardwareSchema = schema_of(HardwareSpec)
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; ``str()`` is the one-screen message shown to the user."""
+
+
+@dataclass
+class RunOptions:
+    mode: str = "real"  # "real": run the model; "sim": cost model, no tensors
+    device: str = "cpu"
+    dtype: str = "fp32"  # model compute dtype
+    kv_dtype: str | None = None  # KV cache dtype; None: same as dtype
+    warmup: bool = True  # one throwaway engine warms kernels before the timed run
+    results_dir: str = "results"
+    sweep_name: str = "single"
+    run_id: str | None = None  # None: derived from the overrides and a config hash
+    # torch intra-op threads; 0 keeps torch's default. 1 by default: tiny CPU models run
+    # faster and far more repeatably single-threaded (no oversubscription jitter).
+    num_threads: int = 1
+    progress: str = "auto"  # auto (only on a terminal) | on | off
+    report: bool = True  # sweeps write their HTML report at the end
+    resume: bool = True  # skip runs already complete with the same config
+    memory_interval_s: float = 0.05
+
+
+@dataclass
+class SLO:
+    """Service-level objectives for goodput, in milliseconds; None: not constrained."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+
+@dataclass
+class Config:
+    model: Any = field(default_factory=ModelSchema)
+    hardware: Any = field(default_factory=HardwareSchema)
+    # Plug-ins: Hydra `_target_` mappings, validated by the target's signature.
+    engine: Any = None
+    workload: Any = None
+    seed: int = 0
+    run: RunOptions = field(default_factory=RunOptions)
+    slo: SLO = field(default_factory=SLO)
+    experiment: str = ""
+
+
+@dataclass
+class SizeConfig:
+    """`kvbench size`: the KV memory calculator."""
+
+    model: Any = field(default_factory=ModelSchema)
+    hardware: Any = field(default_factory=HardwareSchema)
+    hf_config: str | None = None  # a Hugging Face config.json on disk; replaces `model`
+    seq_len: int = 4096
+    batch: int = 1
+    kv_dtype: str | None = None  # None: the model's dtype
+    weight_dtype: str | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    format: str = "table"  # table | json
+
+
+def register_schemas() -> None:
+    """Register the schemas with Hydra's ConfigStore (idempotent; called by the CLI)."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    store.store(name="size_schema", node=SizeConfig)
+
+
+def _merge_structured(schema: type, cfg: DictConfig) -> DictConfig:
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    if isinstance(plain, dict):
+        plain.pop("hydra", None)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), plain)
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {_first_line(exc)}") from None
+    return merged
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def validate_config(cfg: DictConfig) -> DictConfig:
+    """Return the resolved, schema-checked run config or raise ConfigError naming the key."""
+    merged = _merge_structured(Config, cfg)
+    try:
+        model = ModelSpec(**OmegaConf.to_container(merged.model))
+        model.validate()
+        HardwareSpec(**OmegaConf.to_container(merged.hardware)).validate()
+        dtype_bits(merged.run.dtype)
+        if merged.run.kv_dtype is not None:
+            dtype_bits(merged.run.kv_dtype)
+    except SpecError as exc:
+        raise ConfigError(str(exc)) from None
+    if merged.run.mode not in ("real", "sim"):
+        raise ConfigError(f"run.mode: must be 'real' or 'sim', got {merged.run.mode!r}")
+    if merged.run.progress not in ("auto", "on", "off"):
+        raise ConfigError(f"run.progress: must be auto, on or off, got {merged.run.progress!r}")
+    if merged.run.num_threads < 0:
+        raise ConfigError(f"run.num_threads: must be >= 0, got {merged.run.num_threads}")
+    for section in ("engine", "workload"):
+        node = merged.get(section)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(
+                f"{section}: missing; choose a preset, e.g. {section}=<name> (see conf/{section}/)"
+            )
+    for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
+        value = merged.slo[key]
+        if value is not None and value <= 0:
+            raise ConfigError(f"slo.{key}: must be > 0, got {value}")
+    return merged
+
+
+def validate_size_config(cfg: DictConfig) -> DictConfig:
+    merged = _merge_structured(SizeConfig, cfg)
+    try:
+        ModelSpec(**OmegaConf.to_container(merged.model)).validate()
+        HardwareSpec(**OmegaConf.to_container(merged.hardware)).validate()
+        for key in ("kv_dtype", "weight_dtype"):
+            if merged[key] is not None:
+                dtype_bits(merged[key])
+    except SpecError as exc:
+        raise ConfigError(str(exc)) from None
+    if merged.seq_len <= 0:
+        raise ConfigError(f"seq_len: must be > 0, got {merged.seq_len}")
+    if merged.batch <= 0:
+        raise ConfigError(f"batch: must be > 0, got {merged.batch}")
+    if merged.block_size <= 0 or merged.block_size & (merged.block_size - 1):
+        raise ConfigError(f"block_size: must be a power of two, got {merged.block_size}")
+    if not 0.0 < merged.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"gpu_memory_utilization: must be in (0, 1], got {merged.gpu_memory_utilization}")
+    if merged.format not in ("table", "json"):
+        raise ConfigError(f"format: must be 'table' or 'json', got {merged.format!r}")
+    return merged

@@ -1,0 +1,199 @@
+"""One configuration, end to end: build model, workload and engine, replay, store.
+
+This is the body of both ``kvbench run`` and every job of ``kvbench sweep``. A run
+that fails is recorded as failed (with its error) instead of raising, so that a sweep
+goes on; the caller learns the outcome from the returned ``RunOutcome``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench import results
+from kvbench.config import ConfigError
+from kvbench.environment import collect_environment
+from kvbench.memory import MemorySampler
+from kvbench.metrics import summarize_run
+from kvbench.model import LlamaModel
+from kvbench.runner import RawRun, SimClock, WallClock, replay
+from kvbench.sizing import weight_bytes
+from kvbench.specs import HardwareSpec, ModelSpec
+from kvbench.types import Engine, EngineContext, Request, Workload
+
+# Run options that do not change what is measured: excluded from the config hash so
+# that moving results or turning the progress bar on does not defeat resume.
+_NON_SEMANTIC_RUN_KEYS = ("results_dir", "sweep_name", "run_id", "progress", "report", "resume")
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    run_dir: Path
+    status: str  # "ok" | "failed" | "skipped"
+    summary: dict[str, Any]
+    error: str = ""
+    config_error: bool = False  # the failure is a bad configuration, not a crash
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """Stable hash of everything that changes a run's result."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key in _NON_SEMANTIC_RUN_KEYS:
+        plain["run"].pop(key, None)
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(plain)).encode()).hexdigest()[:12]
+
+
+def run_id_for(overrides: list[str], digest: str) -> str:
+    """A readable, filesystem-safe run id: the job's overrides plus the config hash."""
+    parts = [o for o in overrides if not o.lstrip("+~").startswith(("run.", "hydra.", "experiment"))]
+    slug = ",".join(parts) or "default"
+    slug = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", slug)[:120]
+    return f"{slug}-{digest[:8]}"
+
+
+def load_model(spec: ModelSpec, cfg: DictConfig) -> LlamaModel:
+    """Real-mode weights: seeded random, the SmolLM2 GGUF, or a local safetensors path."""
+    if spec.weights == "random":
+        return LlamaModel.random(spec, cfg.seed, device=cfg.run.device, dtype=cfg.run.dtype)
+    if spec.weights == "smollm2":
+        from kvbench.smollm2 import load_smollm2
+
+        model, _ = load_smollm2(device=cfg.run.device, dtype=cfg.run.dtype)
+        return model
+    return LlamaModel.from_safetensors(spec, spec.weights, device=cfg.run.device, dtype=cfg.run.dtype)
+
+
+def _config_error(section: str, exc: BaseException, target: object) -> ConfigError | None:
+    """Translate a constructor's complaint into a ConfigError naming ``section.key``."""
+    text = str(exc)
+    match = re.search(r"unexpected keyword argument '(\w+)'", text)
+    if match:
+        return ConfigError(f"{section}.{match.group(1)}: unknown key for {target}")
+    match = re.search(r"missing \d+ required (?:keyword-only |positional )?arguments?: (.+)", text)
+    if match:
+        return ConfigError(f"{section}: missing required key(s) {match.group(1)}")
+    if isinstance(exc, ValueError):
+        if text.startswith(f"{section}.") or text.startswith(f"{section}:"):
+            return ConfigError(text)
+        # "num_requests: must be ..." from a plug-in becomes "workload.num_requests: ..."
+        return ConfigError(f"{section}.{text}" if re.match(r"^[\w.\[\]]+: ", text) else f"{section}: {text}")
+    return None
+
+
+def instantiate_plugin(node: DictConfig, section: str, **kwargs: Any) -> Any:
+    """Hydra-instantiate ``node``; a bad key becomes a ConfigError naming ``section.key``."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        error = _config_error(section, exc.__cause__ or exc, node.get("_target_"))
+        if error is None:
+            raise
+        raise error from None
+
+
+def build_engine(factory: Any, ctx: EngineContext, target: object) -> Engine:
+    """Call the engine partial; parameter complaints become ConfigErrors naming ``engine.key``."""
+    try:
+        return factory(ctx)
+    except (TypeError, ValueError) as exc:
+        error = _config_error("engine", exc, target)
+        if error is None:
+            raise
+        raise error from None
+
+
+def build_workload(cfg: DictConfig) -> Workload:
+    workload = instantiate_plugin(cfg.workload, "workload")
+    if not isinstance(workload, Workload):
+        raise ConfigError(f"workload: {cfg.workload._target_} returned {type(workload).__name__}, not a Workload")
+    return workload
+
+
+def _warmup_workload(spec: ModelSpec) -> Workload:
+    prompt = tuple(3 + (i * 7) % (spec.vocab_size - 3) for i in range(16))
+    return Workload("warmup", (Request("warmup-0", 0.0, prompt, 4), Request("warmup-1", 0.0, prompt[:9], 4)))
+
+
+def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
+    """Run the validated config ``cfg`` and write its results into ``run_dir`` atomically.
+
+    Never raises for a failing run: the failure is written as a failed run record.
+    """
+    meta: dict[str, Any] = {
+        "run_id": run_dir.name,
+        "sweep_name": cfg.run.sweep_name,
+        "mode": cfg.run.mode,
+        "engine": cfg.engine.get("name", str(cfg.engine._target_).rsplit(".", 1)[-1]),
+        "engine_params": {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if not k.startswith("_")},
+        "model": OmegaConf.to_container(cfg.model),
+        "hardware": OmegaConf.to_container(cfg.hardware),
+        "workload": cfg.workload.get("name", str(cfg.workload._target_).rsplit(".", 1)[-1]),
+        "seed": cfg.seed,
+        "slo": OmegaConf.to_container(cfg.slo),
+        "config_hash": digest,
+        "experiment": cfg.experiment,
+    }
+    config_yaml = OmegaConf.to_yaml(cfg)
+    try:
+        meta["environment"] = collect_environment()
+        summary, raw, memory = _measure(cfg, meta)
+    except ConfigError as exc:
+        meta.update(status="failed", error=f"ConfigError: {exc}")
+        results.write_failed_run(run_dir, meta, meta["error"], config_yaml)
+        return RunOutcome(run_dir, "failed", {}, str(exc), config_error=True)
+    except Exception as exc:  # noqa: BLE001 - a failed run is data, the sweep goes on
+        error = f"{type(exc).__name__}: {exc}"
+        meta.update(status="failed", error=error, traceback=traceback.format_exc())
+        results.write_failed_run(run_dir, meta, error, config_yaml)
+        return RunOutcome(run_dir, "failed", {}, error)
+    meta.update(status="ok", error="")
+    results.write_run(run_dir, raw.requests, raw.steps, memory, meta, config_yaml, summary, missing=meta["missing"])
+    return RunOutcome(run_dir, "ok", summary)
+
+
+def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], RawRun, Any]:
+    spec = ModelSpec(**OmegaConf.to_container(cfg.model))
+    hardware = HardwareSpec(**OmegaConf.to_container(cfg.hardware))
+    kv_dtype = cfg.run.kv_dtype or cfg.run.dtype
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    torch.manual_seed(cfg.seed)
+    workload = build_workload(cfg)
+    sim = cfg.run.mode == "sim"
+    model = None if sim else load_model(spec, cfg)
+    ctx = EngineContext(spec, hardware, model, cfg.run.device, kv_dtype, cfg.seed, cfg.run.mode)
+    factory = instantiate_plugin(cfg.engine, "engine")
+    if cfg.run.warmup and not sim:
+        # A throwaway engine warms kernels and allocator without priming the measured
+        # engine's prefix cache.
+        replay(build_engine(factory, ctx, cfg.engine._target_), _warmup_workload(spec), WallClock())
+    engine = build_engine(factory, ctx, cfg.engine._target_)
+    cuda = cfg.run.device.startswith("cuda") and torch.cuda.is_available()
+    clock = SimClock() if sim else WallClock(torch.cuda.synchronize if cuda else None)
+    with MemorySampler(interval_s=cfg.run.memory_interval_s) as sampler:
+        raw = replay(engine, workload, clock, progress=cfg.run.progress)
+    memory = sampler.samples_frame()
+    meta.update(
+        workload=workload.name,
+        workload_source=workload.source,
+        workload_counters=dict(workload.counters),
+        duration_s=raw.duration_s,
+        num_steps=raw.num_steps,
+        weight_bytes=weight_bytes(spec, cfg.run.dtype),
+        missing=dict(sampler.missing()),
+        block_size=None,
+        kv_pool_bytes=None,
+    )
+    meta.update(engine.describe())  # kv_bytes_per_token, kv_pool_bytes, block_size, ...
+    summary = summarize_run(raw.requests, raw.steps, meta, memory)
+    meta["missing"] = {**meta["missing"], **summary.missing}
+    return summary.metrics, raw, memory

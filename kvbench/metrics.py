@@ -1,0 +1,574 @@
+"""Derived metrics: raw run records (requests, steps, memory frames + meta) -> one summary.
+
+Pure pandas/numpy; nothing here knows about engines or workloads. Serving metrics follow
+vLLM's ``benchmarks/serve.py`` definitions; KV metrics follow the PagedAttention paper's
+Fig. 2 split of KV memory into token state, reservation and fragmentation.
+
+Every metric is listed in ``METRICS`` (name, unit, which direction is better, definition);
+``metrics_markdown()`` renders that table for the README. A metric that cannot be computed
+is NaN and ``Summary.missing`` says why -- never 0.
+
+Requests counted as *completed* are those with no ``rejected_reason`` and a finite
+``finish_s``; rejected and unfinished requests are excluded from latency statistics and
+throughput numerators but counted in ``num_rejected`` / ``num_unfinished``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+LATENCY_KINDS: dict[str, str] = {
+    "ttft": "time to first token: first_token_s - arrival_s",
+    "tpot": "time per output token after the first, per request: (e2el - ttft) / (num_output_tokens - 1), "
+    "requests with more than one output token only",
+    "itl": "inter-token latency: gaps between consecutive token_times_s of a request, pooled over requests",
+    "e2el": "end-to-end latency: finish_s - arrival_s",
+}
+LATENCY_STATS: tuple[str, ...] = ("mean", "median", "p90", "p99")
+
+# Memory-frame columns summarised as their peak over the samples.
+MEMORY_COLUMNS: tuple[str, ...] = (
+    "rss_bytes",
+    "nvml_used_bytes",
+    "nvml_process_bytes",
+    "torch_allocated_bytes",
+    "torch_reserved_bytes",
+)
+
+REQUIRED_REQUEST_COLUMNS: tuple[str, ...] = (
+    "request_id",
+    "arrival_s",
+    "first_token_s",
+    "finish_s",
+    "token_times_s",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "rejected_reason",
+)
+REQUIRED_STEP_COLUMNS: tuple[str, ...] = (
+    "start_s",
+    "end_s",
+    "duration_s",
+    "num_running",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "kv_allocated_bytes",
+    "kv_token_bytes",
+)
+
+
+class MetricsError(ValueError):
+    """Raw records that cannot be summarised; the message names the frame and column."""
+
+
+@dataclass(frozen=True)
+class MetricDoc:
+    """One documented metric. ``better`` is "lower", "higher" or "" (informational)."""
+
+    name: str
+    unit: str
+    better: str
+    definition: str
+
+
+def _latency_docs() -> list[MetricDoc]:
+    docs = []
+    for kind, definition in LATENCY_KINDS.items():
+        for stat in LATENCY_STATS:
+            docs.append(MetricDoc(f"{kind}_ms_{stat}", "ms", "lower", f"{stat} of {definition}"))
+    return docs
+
+
+def _memory_docs() -> list[MetricDoc]:
+    return [
+        MetricDoc(f"mem_peak_{col}", "bytes", "lower", f"maximum sampled {col} (memory frame)")
+        for col in MEMORY_COLUMNS
+    ]
+
+
+METRICS: tuple[MetricDoc, ...] = (
+    MetricDoc("num_requests", "count", "", "requests in the workload"),
+    MetricDoc("num_completed", "count", "higher", "requests that finished (not rejected, finite finish_s)"),
+    MetricDoc("num_rejected", "count", "lower", "requests with a non-empty rejected_reason"),
+    MetricDoc(
+        "num_unfinished", "count", "lower", "requests neither rejected nor finished when the run ended"
+    ),
+    MetricDoc(
+        "benchmark_duration_s",
+        "s",
+        "",
+        "first arrival_s of any request to the last finish_s of a completed request",
+    ),
+    MetricDoc("requests_per_s", "1/s", "higher", "num_completed / benchmark_duration_s"),
+    MetricDoc(
+        "output_tokens_per_s",
+        "tokens/s",
+        "higher",
+        "sum of num_generated_tokens (every sample; num_output_tokens when absent) of completed "
+        "requests / benchmark_duration_s",
+    ),
+    MetricDoc(
+        "total_tokens_per_s",
+        "tokens/s",
+        "higher",
+        "(prompt + generated tokens of completed requests) / benchmark_duration_s",
+    ),
+    MetricDoc(
+        "goodput_requests_per_s",
+        "1/s",
+        "higher",
+        "completed requests meeting every SLO in meta['slo'] (ttft_ms, tpot_ms, e2el_ms; a request "
+        "with one output token has no TPOT and passes that SLO) / benchmark_duration_s",
+    ),
+    MetricDoc(
+        "slo_attained_fraction", "fraction", "higher", "completed requests meeting every SLO / completed"
+    ),
+    *_latency_docs(),
+    MetricDoc("peak_num_running", "count", "higher", "maximum num_running over steps (concurrency reached)"),
+    MetricDoc("mean_num_running", "count", "higher", "duration-weighted mean of num_running over steps"),
+    MetricDoc("kv_capacity_bytes", "bytes", "", "maximum kv_capacity_bytes over steps (the KV pool budget)"),
+    MetricDoc("kv_peak_allocated_bytes", "bytes", "lower", "maximum kv_allocated_bytes over steps"),
+    MetricDoc("kv_mean_allocated_bytes", "bytes", "lower", "duration-weighted mean of kv_allocated_bytes"),
+    MetricDoc("kv_peak_token_bytes", "bytes", "", "maximum kv_token_bytes over steps"),
+    MetricDoc("kv_mean_token_bytes", "bytes", "", "duration-weighted mean of kv_token_bytes"),
+    MetricDoc("kv_peak_utilization", "fraction", "", "kv_peak_allocated_bytes / kv_capacity_bytes"),
+    MetricDoc(
+        "kv_token_fraction_mean",
+        "fraction",
+        "higher",
+        "PagedAttention Fig. 2 measure: sum(kv_token_bytes * dt) / sum((kv_allocated_bytes + "
+        "kv_external_frag_bytes) * dt) over steps, dt = duration_s: the share of the KV memory the "
+        "manager holds (allocated plus unusable holes; usable free memory excluded) that stores real "
+        "token state",
+    ),
+    MetricDoc(
+        "kv_token_fraction_at_peak",
+        "fraction",
+        "higher",
+        "kv_token_bytes / (kv_allocated_bytes + kv_external_frag_bytes) at the step of peak allocation",
+    ),
+    MetricDoc(
+        "kv_reserved_unused_bytes_mean",
+        "bytes",
+        "lower",
+        "duration-weighted mean of slots reserved for tokens a sequence will still produce",
+    ),
+    MetricDoc(
+        "kv_internal_frag_bytes_mean", "bytes", "lower", "duration-weighted mean of kv_internal_frag_bytes"
+    ),
+    MetricDoc(
+        "kv_external_frag_bytes_mean", "bytes", "lower", "duration-weighted mean of kv_external_frag_bytes"
+    ),
+    MetricDoc(
+        "kv_reserved_unused_bytes_at_peak", "bytes", "lower", "kv_reserved_unused_bytes at peak allocation"
+    ),
+    MetricDoc(
+        "kv_internal_frag_bytes_at_peak", "bytes", "lower", "kv_internal_frag_bytes at peak allocation"
+    ),
+    MetricDoc(
+        "kv_external_frag_bytes_at_peak", "bytes", "lower", "kv_external_frag_bytes at peak allocation"
+    ),
+    MetricDoc("kv_peak_host_bytes", "bytes", "", "maximum kv_host_bytes (KV resident in the host tier)"),
+    MetricDoc(
+        "kv_sharing_saved_fraction",
+        "fraction",
+        "higher",
+        "1 - sum(peak_kv_slots) / sum(peak_kv_slots_unshared) over completed requests: KV saved by "
+        "sharing prompt/prefix blocks between samples or beams (PagedAttention Fig. 15)",
+    ),
+    MetricDoc(
+        "prefix_hit_rate",
+        "fraction",
+        "higher",
+        "sum(num_prefix_hit_tokens) / sum(num_prefix_query_tokens) over steps, in tokens",
+    ),
+    MetricDoc(
+        "num_cached_prompt_tokens", "tokens", "higher", "sum of num_cached_tokens over completed requests"
+    ),
+    MetricDoc("num_preemptions", "count", "lower", "sum of num_preemptions over steps"),
+    MetricDoc("num_recomputed_tokens", "tokens", "lower", "sum of num_recomputed_tokens over steps"),
+    MetricDoc("num_evicted_blocks", "count", "", "prefix-cache blocks evicted to make room (sum over steps)"),
+    MetricDoc("num_evicted_tokens", "tokens", "", "tokens dropped by lossy eviction (H2O, streaming)"),
+    MetricDoc("bytes_to_host", "bytes", "lower", "sum of bytes_to_host over steps"),
+    MetricDoc("bytes_from_host", "bytes", "lower", "sum of bytes_from_host over steps"),
+    MetricDoc(
+        "decode_roofline_ms_mean",
+        "ms",
+        "",
+        "mean over decode-only steps (no prefill tokens, some decode tokens) of the minimum step time "
+        "(weight_bytes + kv_token_bytes) / (hardware.hbm_bandwidth_gbps * 1e9); kv_token_bytes "
+        "approximates the KV bytes read that step",
+    ),
+    MetricDoc("decode_step_ms_mean", "ms", "lower", "mean duration_s of decode-only steps"),
+    MetricDoc(
+        "decode_roofline_fraction_mean",
+        "fraction",
+        "higher",
+        "mean over decode-only steps of roofline time / measured (or modeled) step duration",
+    ),
+    MetricDoc(
+        "decode_achieved_gbps",
+        "GB/s",
+        "higher",
+        "sum of (weight_bytes + kv_token_bytes) over decode-only steps / sum of their durations / 1e9",
+    ),
+    *_memory_docs(),
+)
+
+METRICS_BY_NAME: dict[str, MetricDoc] = {doc.name: doc for doc in METRICS}
+
+
+def metrics_markdown() -> str:
+    """The METRICS table as a GitHub markdown table (for the README)."""
+    lines = ["| metric | unit | better | definition |", "|---|---|---|---|"]
+    for doc in METRICS:
+        lines.append(f"| `{doc.name}` | {doc.unit} | {doc.better or '-'} | {doc.definition} |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Summary metrics of one run plus, for every NaN metric, why it could not be computed."""
+
+    metrics: dict[str, float]
+    missing: dict[str, str]
+
+
+# --------------------------------------------------------------------------- per request
+def completed_mask(requests: pd.DataFrame) -> pd.Series:
+    """Boolean Series: not rejected and finished (finite finish_s)."""
+    rejected = requests["rejected_reason"].fillna("").astype(str) != ""
+    return ~rejected & np.isfinite(requests["finish_s"].astype(float))
+
+
+def per_request(requests: pd.DataFrame) -> pd.DataFrame:
+    """Latencies per request: a new frame with ``request_id``, ``completed``, ``ttft_ms``,
+    ``tpot_ms`` (NaN when num_output_tokens <= 1), ``e2el_ms`` and ``itl_ms`` (list of gaps).
+
+    Does not mutate ``requests``. Rejected / unfinished requests get NaN latencies.
+    Raises MetricsError naming a missing column.
+    """
+    _require(requests, REQUIRED_REQUEST_COLUMNS, "requests")
+    done = completed_mask(requests).to_numpy()
+    arrival = requests["arrival_s"].to_numpy(dtype=float)
+    ttft_ms = (requests["first_token_s"].to_numpy(dtype=float) - arrival) * 1e3
+    e2el_ms = (requests["finish_s"].to_numpy(dtype=float) - arrival) * 1e3
+    num_out = requests["num_output_tokens"].to_numpy(dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot_ms = np.where(num_out > 1, (e2el_ms - ttft_ms) / (num_out - 1), np.nan)
+    itl_ms = [
+        (np.diff(np.asarray(times, dtype=float)) * 1e3).tolist() if ok and times is not None else []
+        for ok, times in zip(done, requests["token_times_s"])
+    ]
+    return pd.DataFrame(
+        {
+            "request_id": requests["request_id"].to_numpy(),
+            "completed": done,
+            "ttft_ms": np.where(done, ttft_ms, np.nan),
+            "tpot_ms": np.where(done, tpot_ms, np.nan),
+            "e2el_ms": np.where(done, e2el_ms, np.nan),
+            "itl_ms": itl_ms,
+        }
+    )
+
+
+# --------------------------------------------------------------------------- summary
+def summarize(
+    requests: pd.DataFrame,
+    steps: pd.DataFrame,
+    meta: Mapping[str, Any],
+    memory: pd.DataFrame | None = None,
+) -> dict[str, float]:
+    """Summary metrics of one run (see METRICS); NaN where not computable.
+
+    Use ``summarize_run`` to also get the reason for each NaN. Mutates nothing.
+    """
+    return summarize_run(requests, steps, meta, memory).metrics
+
+
+def summarize_run(
+    requests: pd.DataFrame,
+    steps: pd.DataFrame,
+    meta: Mapping[str, Any],
+    memory: pd.DataFrame | None = None,
+) -> Summary:
+    """Every metric in METRICS for one run, with a reason for each NaN.
+
+    ``meta`` supplies ``slo``, ``weight_bytes``, ``hardware.hbm_bandwidth_gbps`` and
+    ``missing`` (reasons the runner already knows, e.g. why NVML columns are NaN).
+    Mutates nothing; raises MetricsError naming the frame and column when a required
+    column is absent.
+    """
+    _require(requests, REQUIRED_REQUEST_COLUMNS, "requests")
+    if len(steps):
+        _require(steps, REQUIRED_STEP_COLUMNS, "steps")
+    out: dict[str, float] = {}
+    missing: dict[str, str] = {}
+    _request_metrics(requests, meta, out, missing)
+    _step_metrics(steps, out, missing)
+    _sharing_metric(requests, out, missing)
+    _roofline_metrics(steps, meta, out, missing)
+    _memory_metrics(memory, meta, out, missing)
+    known = meta.get("missing") or {}
+    for doc in METRICS:  # every documented metric is present, NaN ones explained
+        value = out.setdefault(doc.name, math.nan)
+        if math.isnan(value):
+            missing.setdefault(doc.name, known.get(doc.name) or "not computable from this run's records")
+    return Summary(metrics=out, missing=missing)
+
+
+def _require(frame: pd.DataFrame, columns: tuple[str, ...], name: str) -> None:
+    absent = [c for c in columns if c not in frame.columns]
+    if absent:
+        raise MetricsError(f"{name} frame: missing column(s) {absent}; has {list(frame.columns)}")
+
+
+def _stats(values: np.ndarray, prefix: str, out: dict[str, float], missing: dict[str, str], why: str) -> None:
+    values = values[np.isfinite(values)]
+    for stat in LATENCY_STATS:
+        name = f"{prefix}_{stat}"
+        if values.size == 0:
+            out[name] = math.nan
+            missing[name] = why
+        elif stat == "mean":
+            out[name] = float(np.mean(values))
+        elif stat == "median":
+            out[name] = float(np.median(values))
+        else:
+            out[name] = float(np.percentile(values, float(stat[1:])))
+
+
+def _request_metrics(
+    requests: pd.DataFrame, meta: Mapping[str, Any], out: dict[str, float], missing: dict[str, str]
+) -> None:
+    lat = per_request(requests)
+    done = lat["completed"].to_numpy()
+    rejected = requests["rejected_reason"].fillna("").astype(str) != ""
+    out["num_requests"] = float(len(requests))
+    out["num_completed"] = float(done.sum())
+    out["num_rejected"] = float(rejected.sum())
+    out["num_unfinished"] = float((~done & ~rejected.to_numpy()).sum())
+
+    no_done = "no completed requests"
+    _stats(lat["ttft_ms"].to_numpy(), "ttft_ms", out, missing, no_done)
+    _stats(lat["e2el_ms"].to_numpy(), "e2el_ms", out, missing, no_done)
+    _stats(
+        lat["tpot_ms"].to_numpy(),
+        "tpot_ms",
+        out,
+        missing,
+        "no completed request has more than one output token",
+    )
+    itl = np.asarray([gap for gaps in lat["itl_ms"] for gap in gaps], dtype=float)
+    _stats(itl, "itl_ms", out, missing, "no completed request has two or more token times")
+
+    completed = requests[done]
+    if len(completed) == 0:
+        for name in ("benchmark_duration_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+            out[name] = math.nan
+            missing[name] = no_done
+    else:
+        duration_s = float(completed["finish_s"].max() - requests["arrival_s"].min())
+        out["benchmark_duration_s"] = duration_s
+        generated_col = "num_generated_tokens" if "num_generated_tokens" in completed else "num_output_tokens"
+        num_generated = float(completed[generated_col].sum())
+        num_prompt = float(completed["num_prompt_tokens"].sum())
+        if duration_s > 0:
+            out["requests_per_s"] = len(completed) / duration_s
+            out["output_tokens_per_s"] = num_generated / duration_s
+            out["total_tokens_per_s"] = (num_generated + num_prompt) / duration_s
+        else:
+            for name in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+                out[name] = math.nan
+                missing[name] = "benchmark duration is zero"
+    if "num_cached_tokens" in requests:
+        out["num_cached_prompt_tokens"] = float(completed["num_cached_tokens"].sum())
+    _goodput(lat[done], out, missing, meta.get("slo") or {})
+
+
+def _goodput(
+    lat: pd.DataFrame, out: dict[str, float], missing: dict[str, str], slo: Mapping[str, Any]
+) -> None:
+    limits = {key: slo.get(key) for key in ("ttft_ms", "tpot_ms", "e2el_ms") if slo.get(key) is not None}
+    names = ("goodput_requests_per_s", "slo_attained_fraction")
+    if not limits:
+        for name in names:
+            missing[name] = "no SLO given (meta.slo has none of ttft_ms, tpot_ms, e2el_ms)"
+        return
+    if len(lat) == 0 or not out.get("benchmark_duration_s", 0) > 0:
+        for name in names:
+            missing[name] = "no completed requests or zero benchmark duration"
+        return
+    good = np.ones(len(lat), dtype=bool)
+    for key, limit in limits.items():
+        values = lat[key].to_numpy()
+        # TPOT is undefined for one-token outputs; such a request cannot violate a TPOT SLO.
+        good &= np.isnan(values) | (values <= float(limit)) if key == "tpot_ms" else values <= float(limit)
+    out["goodput_requests_per_s"] = float(good.sum()) / out["benchmark_duration_s"]
+    out["slo_attained_fraction"] = float(good.mean())
+
+
+def _weights(steps: pd.DataFrame) -> np.ndarray:
+    """Per-step weights for time averages: duration_s, or uniform when durations are all zero."""
+    dt = np.nan_to_num(steps["duration_s"].to_numpy(dtype=float), nan=0.0)
+    return dt if dt.sum() > 0 else np.ones(len(steps))
+
+
+def _col(steps: pd.DataFrame, name: str) -> np.ndarray:
+    """A numeric step column as float; absent optional columns read as zeros."""
+    if name not in steps:
+        return np.zeros(len(steps))
+    return steps[name].to_numpy(dtype=float)
+
+
+def _step_metrics(steps: pd.DataFrame, out: dict[str, float], missing: dict[str, str]) -> None:
+    step_names = [
+        "peak_num_running",
+        "mean_num_running",
+        "kv_capacity_bytes",
+        "kv_peak_allocated_bytes",
+        "kv_mean_allocated_bytes",
+        "kv_peak_token_bytes",
+        "kv_mean_token_bytes",
+        "kv_peak_utilization",
+        "kv_token_fraction_mean",
+        "kv_token_fraction_at_peak",
+        "kv_reserved_unused_bytes_mean",
+        "kv_internal_frag_bytes_mean",
+        "kv_external_frag_bytes_mean",
+        "kv_reserved_unused_bytes_at_peak",
+        "kv_internal_frag_bytes_at_peak",
+        "kv_external_frag_bytes_at_peak",
+        "kv_peak_host_bytes",
+        "prefix_hit_rate",
+        "num_preemptions",
+        "num_recomputed_tokens",
+        "num_evicted_blocks",
+        "num_evicted_tokens",
+        "bytes_to_host",
+        "bytes_from_host",
+    ]
+    if len(steps) == 0:
+        for name in step_names:
+            missing[name] = "the run recorded no engine steps"
+        return
+    w = _weights(steps)
+    running = _col(steps, "num_running")
+    out["peak_num_running"] = float(running.max())
+    out["mean_num_running"] = float(np.average(running, weights=w))
+
+    allocated = _col(steps, "kv_allocated_bytes")
+    token = _col(steps, "kv_token_bytes")
+    external = _col(steps, "kv_external_frag_bytes")
+    capacity = _col(steps, "kv_capacity_bytes")
+    out["kv_capacity_bytes"] = float(capacity.max())
+    out["kv_peak_allocated_bytes"] = float(allocated.max())
+    out["kv_mean_allocated_bytes"] = float(np.average(allocated, weights=w))
+    out["kv_peak_token_bytes"] = float(token.max())
+    out["kv_mean_token_bytes"] = float(np.average(token, weights=w))
+    if capacity.max() > 0:
+        out["kv_peak_utilization"] = float(allocated.max() / capacity.max())
+    else:
+        missing["kv_peak_utilization"] = "kv_capacity_bytes is zero"
+    held = allocated + external
+    if (held * w).sum() > 0:
+        out["kv_token_fraction_mean"] = float((token * w).sum() / (held * w).sum())
+    else:
+        missing["kv_token_fraction_mean"] = "the KV manager never held memory"
+    peak = int(np.argmax(allocated))  # first step of peak allocation
+    if held[peak] > 0:
+        out["kv_token_fraction_at_peak"] = float(token[peak] / held[peak])
+    else:
+        missing["kv_token_fraction_at_peak"] = "the KV manager never held memory"
+    for part in ("reserved_unused", "internal_frag", "external_frag"):
+        values = _col(steps, f"kv_{part}_bytes")
+        out[f"kv_{part}_bytes_mean"] = float(np.average(values, weights=w))
+        out[f"kv_{part}_bytes_at_peak"] = float(values[peak])
+    out["kv_peak_host_bytes"] = float(_col(steps, "kv_host_bytes").max())
+
+    queries = _col(steps, "num_prefix_query_tokens").sum()
+    if queries > 0:
+        out["prefix_hit_rate"] = float(_col(steps, "num_prefix_hit_tokens").sum() / queries)
+    else:
+        missing["prefix_hit_rate"] = "no prefix lookups (prefix caching off or no prompts scheduled)"
+    for name in (
+        "num_preemptions",
+        "num_recomputed_tokens",
+        "num_evicted_blocks",
+        "num_evicted_tokens",
+        "bytes_to_host",
+        "bytes_from_host",
+    ):
+        out[name] = float(_col(steps, name).sum())
+
+
+def _sharing_metric(requests: pd.DataFrame, out: dict[str, float], missing: dict[str, str]) -> None:
+    name = "kv_sharing_saved_fraction"
+    if "peak_kv_slots" not in requests or "peak_kv_slots_unshared" not in requests:
+        missing[name] = "requests frame has no peak_kv_slots / peak_kv_slots_unshared columns"
+        return
+    done = requests[completed_mask(requests)]
+    unshared = float(done["peak_kv_slots_unshared"].sum())
+    if unshared > 0:
+        out[name] = 1.0 - float(done["peak_kv_slots"].sum()) / unshared
+    else:
+        missing[name] = "engine reported no per-request KV slots"
+
+
+def _roofline_metrics(
+    steps: pd.DataFrame, meta: Mapping[str, Any], out: dict[str, float], missing: dict[str, str]
+) -> None:
+    names = (
+        "decode_roofline_ms_mean",
+        "decode_step_ms_mean",
+        "decode_roofline_fraction_mean",
+        "decode_achieved_gbps",
+    )
+    weight_bytes = meta.get("weight_bytes")
+    bandwidth_gbps = (meta.get("hardware") or {}).get("hbm_bandwidth_gbps")
+    reason = ""
+    if weight_bytes is None or not math.isfinite(float(weight_bytes)):
+        reason = "meta.weight_bytes is unknown"
+    elif bandwidth_gbps is None or not float(bandwidth_gbps) > 0:
+        reason = "meta.hardware.hbm_bandwidth_gbps is unknown"
+    elif len(steps) == 0:
+        reason = "the run recorded no engine steps"
+    if not reason:
+        decode = (_col(steps, "num_prefill_tokens") == 0) & (_col(steps, "num_decode_tokens") > 0)
+        duration_s = _col(steps, "duration_s")[decode]
+        if not decode.any():
+            reason = "no decode-only steps (every step carried prefill tokens)"
+        elif not (duration_s > 0).all():
+            reason = "decode steps have zero or unknown duration"
+    if reason:
+        for name in names:
+            missing[name] = reason
+        return
+    bytes_read = float(weight_bytes) + _col(steps, "kv_token_bytes")[decode]
+    roofline_s = bytes_read / (float(bandwidth_gbps) * 1e9)
+    out["decode_roofline_ms_mean"] = float(roofline_s.mean() * 1e3)
+    out["decode_step_ms_mean"] = float(duration_s.mean() * 1e3)
+    out["decode_roofline_fraction_mean"] = float((roofline_s / duration_s).mean())
+    out["decode_achieved_gbps"] = float(bytes_read.sum() / duration_s.sum() / 1e9)
+
+
+def _memory_metrics(
+    memory: pd.DataFrame | None, meta: Mapping[str, Any], out: dict[str, float], missing: dict[str, str]
+) -> None:
+    known = meta.get("missing") or {}
+    for col in MEMORY_COLUMNS:
+        name = f"mem_peak_{col}"
+        values = (
+            memory[col].to_numpy(dtype=float) if memory is not None and col in memory else np.array([], float)
+        )
+        values = values[np.isfinite(values)]
+        if values.size:
+            out[name] = float(values.max())
+        else:
+            missing[name] = known.get(col) or known.get(name) or "not sampled in this run"

@@ -1,0 +1,451 @@
+"""One self-contained HTML page per sweep, built from results only (never from engines).
+
+The page embeds plotly.js once in its head (works offline, no CDN) and holds: the sweep's
+environment and configs, a summary table (one row per run, failed runs with their error,
+NaN cells explain why on hover), and the plots that the data supports -- a plot whose
+metric no run measured is left out rather than drawn empty.
+
+Runs are labelled by the config columns that vary across the sweep (``engine``,
+``engine.block_size``, ``model.name``...), so the same code reads well for every
+experiment: engines side by side, block sizes, prefix-cache workloads, budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+from plotly.subplots import make_subplots
+
+from kvbench import metrics
+from kvbench.results import Results, ResultsError, load, run_labels, varying_config_columns
+
+SUMMARY_METRICS: tuple[str, ...] = (
+    "num_completed",
+    "num_rejected",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "goodput_requests_per_s",
+    "ttft_ms_median",
+    "ttft_ms_p99",
+    "tpot_ms_median",
+    "tpot_ms_p99",
+    "itl_ms_p99",
+    "e2el_ms_p99",
+    "peak_num_running",
+    "kv_peak_allocated_bytes",
+    "kv_token_fraction_mean",
+    "prefix_hit_rate",
+    "kv_sharing_saved_fraction",
+    "num_preemptions",
+    "decode_roofline_fraction_mean",
+)
+MAX_POINTS_PER_LINE = 2000  # time series are thinned so a long run does not bloat the page
+PLOT_CONFIG = {"displaylogo": False, "responsive": True}
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5rem auto; max-width: 1300px; color: #222; }
+h1 { margin-bottom: 0.2rem; } .sub { color: #666; margin-top: 0; }
+table { border-collapse: collapse; font-size: 0.85rem; margin: 0.5rem 0 1rem; }
+th, td { border: 1px solid #ddd; padding: 0.25rem 0.5rem; text-align: right; }
+th { background: #f4f4f4; position: sticky; top: 0; } td.text { text-align: left; }
+tr.failed td { background: #fdecea; } td.nan { color: #999; }
+.scroll { overflow-x: auto; max-height: 36rem; }
+pre { background: #f7f7f7; padding: 0.6rem; overflow-x: auto; font-size: 0.8rem; }
+.plot { margin: 1rem 0 2rem; } details { margin: 0.4rem 0; }
+"""
+
+
+# --------------------------------------------------------------------------- public API
+def build_report(results_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> Path:
+    """Write the HTML report for the results under ``results_dir`` and return its path.
+
+    Default ``out_path``: ``reports/<sweep-name>.html`` relative to the working directory
+    (parents are created). Reads results only; raises ResultsError when there are none.
+    """
+    res = load(results_dir)
+    sweep = _sweep_name(res, Path(results_dir))
+    out = Path(out_path) if out_path is not None else Path("reports") / f"{sweep}.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(render_report(res, title=sweep, source=str(results_dir)))
+    os.replace(tmp, out)
+    return out
+
+
+def render_report(res: Results, title: str, source: str = "") -> str:
+    """The full HTML page for ``res`` as a string. Pure: writes nothing."""
+    runs = res.runs.assign(label=run_labels(res.runs))
+    ok = runs[runs["status"] == "ok"] if "status" in runs else runs
+    figures = [(name, fig) for name, build in PLOTS for fig in [build(res, ok)] if fig is not None]
+    plot_html = "\n".join(
+        f'<div class="plot"><h3>{html.escape(name)}</h3>'
+        + pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=f"fig-{i}", config=PLOT_CONFIG)
+        + "</div>"
+        for i, (name, fig) in enumerate(figures)
+    )
+    num_failed = int((runs.get("status", pd.Series(dtype=str)) == "failed").sum())
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>kvbench report: {html.escape(title)}</title>
+<style>{STYLE}</style>
+<script type="text/javascript">{get_plotlyjs()}</script>
+</head><body>
+<h1>kvbench report: {html.escape(title)}</h1>
+<p class="sub">{len(runs)} runs ({num_failed} failed) from {html.escape(source)}, generated {stamp}.
+Runs are labelled by what varies: {html.escape(", ".join(varying_config_columns(runs)) or "nothing (one configuration)")}.</p>
+<h2>Summary</h2>
+{_summary_table(runs)}
+<h2>Plots</h2>
+{plot_html or "<p>No completed run to plot.</p>"}
+<h2>Environment</h2>
+{_environment_table(runs)}
+<h2>Configuration</h2>
+{_configs(runs, res.configs)}
+<h2>Metric definitions</h2>
+<details><summary>Units and definitions of every metric</summary>{_metric_docs()}</details>
+</body></html>
+"""
+
+
+def report_main(argv: Sequence[str] | None = None) -> int:
+    """``kvbench report RESULTS_DIR [--out FILE]``: write the report, print its path.
+
+    Returns 0 on success, 2 when RESULTS_DIR holds no readable results.
+    """
+    parser = argparse.ArgumentParser(prog="kvbench report", description="Write a sweep's HTML report.")
+    parser.add_argument("results_dir", help="a sweep directory (results/<sweep>) or one run directory")
+    parser.add_argument("--out", default=None, help="output HTML file (default: reports/<sweep>.html)")
+    args = parser.parse_args(argv)
+    try:
+        out = build_report(args.results_dir, args.out)
+    except ResultsError as exc:
+        print(f"kvbench report: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+# --------------------------------------------------------------------------- labels
+def _sweep_name(res: Results, path: Path) -> str:
+    names = res.runs["sweep_name"].dropna().astype(str) if "sweep_name" in res.runs else pd.Series([])
+    names = names[names != ""]
+    return str(names.iloc[0]) if len(names) else path.resolve().name
+
+
+def _is_nan(value: object) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _has(ok: pd.DataFrame, column: str) -> bool:
+    return column in ok and bool(np.isfinite(ok[column].to_numpy(dtype=float)).any())
+
+
+# --------------------------------------------------------------------------- plots
+def _bars(ok: pd.DataFrame, columns: Sequence[str], names: Sequence[str], **layout: object) -> go.Figure:
+    fig = go.Figure(
+        [go.Bar(x=ok["label"], y=ok[c], name=n) for c, n in zip(columns, names) if c in ok],
+    )
+    fig.update_layout(barmode="group", height=420, margin={"t": 30}, **layout)
+    return fig
+
+
+def _throughput_latency(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    if not _has(ok, "output_tokens_per_s"):
+        return None
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("output tokens/s", "TPOT (ms)"))
+    fig.add_trace(go.Bar(x=ok["label"], y=ok["output_tokens_per_s"], name="output tokens/s"), row=1, col=1)
+    for stat in ("median", "p99"):
+        column = f"tpot_ms_{stat}"
+        if column in ok:
+            fig.add_trace(go.Bar(x=ok["label"], y=ok[column], name=f"TPOT {stat}"), row=1, col=2)
+    fig.update_layout(barmode="group", height=440, margin={"t": 40})
+    return fig
+
+
+def _latency_cdfs(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    if res.requests.empty:
+        return None
+    kinds = ("ttft_ms", "tpot_ms", "e2el_ms")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("TTFT (ms)", "TPOT (ms)", "E2E latency (ms)"))
+    drawn = False
+    for i, (_, run) in enumerate(ok.iterrows()):
+        requests = res.requests[res.requests["run_id"] == run["run_id"]]
+        if requests.empty:
+            continue
+        latencies = metrics.per_request(requests)
+        for col, kind in enumerate(kinds, start=1):
+            values = np.sort(latencies[kind].dropna().to_numpy())
+            if values.size == 0:
+                continue
+            drawn = True
+            fig.add_trace(
+                go.Scatter(
+                    x=values,
+                    y=np.arange(1, values.size + 1) / values.size,
+                    mode="lines",
+                    line_shape="hv",
+                    name=run["label"],
+                    legendgroup=run["label"],
+                    showlegend=col == 1,
+                    line={"color": _color(i)},
+                ),
+                row=1,
+                col=col,
+            )
+    fig.update_yaxes(title_text="fraction of requests", row=1, col=1)
+    fig.update_layout(height=420, margin={"t": 40})
+    return fig if drawn else None
+
+
+def _kv_over_time(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    if res.steps.empty or "kv_allocated_bytes" not in res.steps:
+        return None
+    fig = go.Figure()
+    for i, (_, run) in enumerate(ok.iterrows()):
+        steps = res.steps[res.steps["run_id"] == run["run_id"]]
+        if steps.empty:
+            continue
+        stride = max(1, math.ceil(len(steps) / MAX_POINTS_PER_LINE))
+        steps = steps.iloc[::stride]
+        style = {"color": _color(i)}
+        fig.add_trace(
+            go.Scatter(
+                x=steps["end_s"], y=steps["kv_allocated_bytes"], name=f"{run['label']} allocated", line=style
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=steps["end_s"],
+                y=steps["kv_token_bytes"],
+                name=f"{run['label']} token state",
+                line={**style, "dash": "dot"},
+                visible="legendonly",  # halves the clutter; one click shows it
+            )
+        )
+    if not fig.data:
+        return None
+    fig.update_layout(
+        height=440, margin={"t": 30}, xaxis_title="time since start (s)", yaxis_title="KV bytes"
+    )
+    return fig
+
+
+def _waste(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    parts = (
+        ("kv_mean_token_bytes", "token state"),
+        ("kv_reserved_unused_bytes_mean", "reserved, unused"),
+        ("kv_internal_frag_bytes_mean", "internal fragmentation"),
+        ("kv_external_frag_bytes_mean", "external fragmentation"),
+    )
+    if not _has(ok, "kv_mean_token_bytes"):
+        return None
+    fig = _bars(ok, [c for c, _ in parts], [n for _, n in parts], yaxis_title="mean KV bytes over the run")
+    fig.update_layout(barmode="stack")
+    return fig
+
+
+def _concurrency(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    if not _has(ok, "peak_num_running"):
+        return None
+    return _bars(
+        ok,
+        ["peak_num_running", "mean_num_running"],
+        ["peak running sequences", "mean running sequences"],
+        yaxis_title="sequences",
+    )
+
+
+def _prefix(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    if not _has(ok, "prefix_hit_rate"):
+        return None
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (tokens)", "TTFT median (ms)"))
+    fig.add_trace(go.Bar(x=ok["label"], y=ok["prefix_hit_rate"], name="hit rate"), row=1, col=1)
+    fig.add_trace(go.Bar(x=ok["label"], y=ok.get("ttft_ms_median"), name="TTFT median"), row=1, col=2)
+    fig.update_yaxes(range=[0, 1], row=1, col=1)
+    fig.update_layout(height=420, margin={"t": 40}, showlegend=False)
+    return fig
+
+
+def _sharing(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    column = "kv_sharing_saved_fraction"
+    if not _has(ok, column) or not (ok[column].fillna(0) > 0).any():
+        return None
+    return _bars(ok, [column], ["KV saved by sharing"], yaxis_title="fraction of unshared KV slots")
+
+
+def _roofline(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    if not _has(ok, "decode_roofline_fraction_mean"):
+        return None
+    return _bars(
+        ok,
+        ["decode_roofline_fraction_mean"],
+        ["achieved fraction of the decode roofline"],
+        yaxis_title="roofline time / step time",
+    )
+
+
+def _quality_vs_memory(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    quality = [c for c in ok.columns if c.startswith("quality_") and _has(ok, c)]
+    if not quality or not _has(ok, "kv_peak_allocated_bytes"):
+        return None
+    fig = make_subplots(rows=1, cols=len(quality), subplot_titles=quality)
+    group_col = "engine" if "engine" in ok else "label"
+    for col, metric in enumerate(quality, start=1):
+        for i, (group, runs) in enumerate(ok.groupby(group_col, sort=True)):
+            runs = runs.sort_values("kv_peak_allocated_bytes")
+            fig.add_trace(
+                go.Scatter(
+                    x=runs["kv_peak_allocated_bytes"],
+                    y=runs[metric],
+                    mode="lines+markers",
+                    text=runs["label"],
+                    name=str(group),
+                    legendgroup=str(group),
+                    showlegend=col == 1,
+                    line={"color": _color(i)},
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_xaxes(title_text="peak KV bytes", row=1, col=col)
+    fig.update_layout(height=420, margin={"t": 40})
+    return fig
+
+
+def _process_memory(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    if res.memory.empty:
+        return None
+    fig = go.Figure()
+    for i, (_, run) in enumerate(ok.iterrows()):
+        memory = res.memory[res.memory["run_id"] == run["run_id"]]
+        for dash, column in zip(
+            ("solid", "dash", "dot"), ("rss_bytes", "nvml_used_bytes", "torch_allocated_bytes")
+        ):
+            if column in memory and np.isfinite(memory[column].to_numpy(dtype=float)).any():
+                fig.add_trace(
+                    go.Scatter(
+                        x=memory["t_s"],
+                        y=memory[column],
+                        name=f"{run['label']} {column}",
+                        line={"color": _color(i), "dash": dash},
+                    )
+                )
+    if not fig.data:
+        return None
+    fig.update_layout(height=400, margin={"t": 30}, xaxis_title="time since start (s)", yaxis_title="bytes")
+    return fig
+
+
+PlotBuilder = Callable[[Results, pd.DataFrame], "go.Figure | None"]
+PLOTS: tuple[tuple[str, PlotBuilder], ...] = (
+    ("Throughput and time per output token", _throughput_latency),
+    ("Latency distributions (CDF over completed requests)", _latency_cdfs),
+    ("KV memory over time (dotted: token state, click the legend)", _kv_over_time),
+    ("Where the KV memory goes (PagedAttention Fig. 2 split)", _waste),
+    ("Concurrency reached under the KV budget", _concurrency),
+    ("Prefix cache", _prefix),
+    ("Memory saved by sharing (parallel sampling, beams)", _sharing),
+    ("Decode efficiency against the memory-bandwidth roofline", _roofline),
+    ("Quality against memory", _quality_vs_memory),
+    ("Process memory samples", _process_memory),
+)
+
+
+def _color(i: int) -> str:
+    palette = pio.templates["plotly"].layout.colorway
+    return palette[i % len(palette)]
+
+
+# --------------------------------------------------------------------------- tables
+def _fmt(column: str, value: object) -> str:
+    if _is_nan(value):
+        return "-"
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        number = float(value)
+        if column.endswith("_bytes"):
+            return _fmt_bytes(number)
+        if number.is_integer() and abs(number) < 1e15:
+            return f"{int(number):,}"
+        return f"{number:.4g}"
+    return str(value)
+
+
+def _fmt_bytes(number: float) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(number) >= scale:
+            return f"{number / scale:.3g} {unit}"
+    return f"{int(number)} B"
+
+
+def _summary_table(runs: pd.DataFrame) -> str:
+    config = varying_config_columns(runs) or [c for c in ("engine",) if c in runs]
+    quality = sorted(c for c in runs.columns if c.startswith("quality_"))
+    present = [c for c in (*SUMMARY_METRICS, *quality) if c in runs and runs[c].notna().any()]
+    columns = ["run_id", "status", *config, *present]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in [*columns, "error"])
+    body = []
+    for _, row in runs.iterrows():
+        cells = []
+        for c in columns:
+            value = row.get(c)
+            text = html.escape(_fmt(c, value))
+            if c in present and _is_nan(value):
+                reason = row.get(f"missing.{c}")
+                if row.get("status") == "failed":
+                    reason = "the run failed"
+                title = html.escape(reason if isinstance(reason, str) else "not measured")
+                cells.append(f'<td class="nan" title="{title}">{text}</td>')
+            else:
+                kind = "text" if c in ("run_id", "status", *config) else "num"
+                cells.append(f'<td class="{kind}">{text}</td>')
+        error = row.get("error")
+        cells.append(f'<td class="text">{html.escape(str(error)) if isinstance(error, str) else ""}</td>')
+        status = "failed" if row.get("status") == "failed" else "ok"
+        body.append(f'<tr class="{status}">{"".join(cells)}</tr>')
+    return f'<div class="scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>'
+
+
+def _environment_table(runs: pd.DataFrame) -> str:
+    columns = sorted(c for c in runs.columns if c.startswith("env."))
+    if not columns:
+        return "<p>No environment recorded.</p>"
+    rows = []
+    for c in columns:
+        values = sorted({str(v) for v in runs[c] if not _is_nan(v)})
+        rows.append(
+            f'<tr><td class="text">{html.escape(c[4:])}</td><td class="text">{html.escape(" | ".join(values))}</td></tr>'
+        )
+    return f"<table><tr><th>field</th><th>value(s) across runs</th></tr>{''.join(rows)}</table>"
+
+
+def _configs(runs: pd.DataFrame, configs: dict[str, str]) -> str:
+    parts = []
+    for i, run_id in enumerate(runs["run_id"].astype(str)):
+        text = configs.get(run_id, "")
+        opened = " open" if i == 0 else ""
+        parts.append(
+            f"<details{opened}><summary>{html.escape(run_id)}</summary><pre>{html.escape(text or '(no config.yaml)')}</pre></details>"
+        )
+    return "\n".join(parts)
+
+
+def _metric_docs() -> str:
+    rows = "".join(
+        f'<tr><td class="text"><code>{d.name}</code></td><td class="text">{html.escape(d.unit)}</td>'
+        f'<td class="text">{d.better or "-"}</td><td class="text">{html.escape(d.definition)}</td></tr>'
+        for d in metrics.METRICS
+    )
+    return f"<table><tr><th>metric</th><th>unit</th><th>better</th><th>definition</th></tr>{rows}</table>"

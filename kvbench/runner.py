@@ -1,0 +1,259 @@
+"""Replays a workload's arrivals through an engine and records raw events.
+
+The runner never touches KV blocks and computes no metrics: it feeds requests to the
+engine when their arrival time comes, calls ``engine.step()`` until everything is
+done, and records when each token, first schedule, finish and rejection happened,
+plus every step's statistics. ``kvbench.metrics`` derives everything else.
+
+Two clocks share this loop: a wall clock (real mode; synchronises the device before
+every read) and a simulated clock that advances by the cost model's step duration and
+jumps over idle gaps (simulation mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pandas as pd
+
+from kvbench.types import Engine, StepOutput, Workload
+
+# A step that schedules nothing, emits nothing and retires nothing is "stuck"; this many
+# in a row means the engine cannot make progress and the run fails instead of hanging.
+MAX_IDLE_STEPS = 1000
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since the run started."""
+        ...
+
+    def wait_until(self, t_s: float) -> None:
+        """Block (or jump) until ``now() >= t_s``."""
+        ...
+
+    def step_done(self, output: StepOutput) -> float:
+        """Called after each engine step; returns the step's end time."""
+        ...
+
+
+class WallClock:
+    """perf_counter time; ``sync`` (e.g. torch.cuda.synchronize) runs before every read."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self._sync = sync or (lambda: None)
+        self._start = time.perf_counter()
+
+    def now(self) -> float:
+        self._sync()
+        return time.perf_counter() - self._start
+
+    def wait_until(self, t_s: float) -> None:
+        delay = t_s - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+    def step_done(self, output: StepOutput) -> float:
+        return self.now()
+
+
+class SimClock:
+    """Simulated time: advances by each step's modeled duration, jumps over idle gaps."""
+
+    def __init__(self) -> None:
+        self._t = 0.0
+
+    def now(self) -> float:
+        return self._t
+
+    def wait_until(self, t_s: float) -> None:
+        self._t = max(self._t, t_s)
+
+    def step_done(self, output: StepOutput) -> float:
+        if output.modeled_duration_s is None:
+            raise RuntimeError("simulation clock: the engine returned no modeled_duration_s (is it in sim mode?)")
+        self._t += output.modeled_duration_s
+        return self._t
+
+
+@dataclass
+class _RequestLog:
+    request_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    num_samples: int
+    tags: dict[str, str]
+    first_scheduled_s: float = float("nan")
+    first_token_s: float = float("nan")
+    finish_s: float = float("nan")
+    token_times_s: list[float] = field(default_factory=list)
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    peak_kv_slots: int = 0
+    peak_kv_slots_unshared: int = 0
+    rejected_reason: str = ""
+
+
+@dataclass(frozen=True)
+class RawRun:
+    """What one replay recorded (frames as described in kvbench.metrics)."""
+
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    duration_s: float
+    num_steps: int
+    outputs: dict[str, tuple[tuple[int, ...], ...]]  # request id -> token ids per sample
+
+
+def flatten_stats(stats: Any, prefix: str = "") -> dict[str, Any]:
+    """StepStats -> flat dict; nested KVUsage fields get the ``kv_`` prefix."""
+    row: dict[str, Any] = {}
+    for f in dataclasses.fields(stats):
+        value = getattr(stats, f.name)
+        if dataclasses.is_dataclass(value):
+            row.update(flatten_stats(value, prefix=f"{f.name}_"))
+        else:
+            row[prefix + f.name] = value
+    return row
+
+
+class _Progress:
+    """A rich progress bar on a terminal; silent otherwise (CI logs stay clean)."""
+
+    def __init__(self, total: int, mode: str, label: str) -> None:
+        enabled = mode == "on" or (mode == "auto" and sys.stderr.isatty())
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} requests"),
+                TextColumn("{task.fields[tok_s]:.0f} tok/s"),
+                TimeRemainingColumn(),
+                transient=True,
+            )
+            self._task = self._bar.add_task(label, total=total, tok_s=0.0)
+            self._bar.start()
+
+    def update(self, done: int, tokens: int, elapsed_s: float) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, tok_s=tokens / max(elapsed_s, 1e-9))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "off") -> RawRun:
+    """Feed ``workload`` to ``engine`` at its arrival times until every request is done.
+
+    Mutates the engine (it runs the whole workload). Raises RuntimeError when the
+    engine stops making progress for MAX_IDLE_STEPS consecutive steps.
+    """
+    pending = deque(sorted(workload.requests, key=lambda r: r.arrival_s))
+    logs: dict[str, _RequestLog] = {}
+    outputs: dict[str, tuple[tuple[int, ...], ...]] = {}
+    step_rows: list[dict[str, Any]] = []
+    bar = _Progress(len(pending), progress, workload.name)
+    num_done = num_tokens = idle_steps = 0
+    try:
+        while pending or engine.has_unfinished():
+            now = clock.now()
+            while pending and pending[0].arrival_s <= now:
+                request = pending.popleft()
+                logs[request.request_id] = _RequestLog(
+                    request.request_id,
+                    request.arrival_s,
+                    request.num_prompt_tokens,
+                    max(request.n, request.beam_width),
+                    dict(request.tags),
+                )
+                engine.add_request(request)
+            if not engine.has_unfinished():
+                clock.wait_until(pending[0].arrival_s)
+                continue
+            start_s = clock.now()
+            output = engine.step()
+            end_s = clock.step_done(output)
+            step_rows.append(
+                {"step": len(step_rows), "start_s": start_s, "end_s": end_s, "duration_s": end_s - start_s}
+                | flatten_stats(output.stats)
+            )
+            for request_id in output.first_scheduled:
+                log = logs[request_id]
+                if log.first_scheduled_s != log.first_scheduled_s:  # NaN: first time
+                    log.first_scheduled_s = start_s
+            for event in output.tokens:
+                log = logs[event.request_id]
+                log.num_generated_tokens += 1
+                if log.first_token_s != log.first_token_s:
+                    log.first_token_s = end_s
+                if event.sample_index == 0:
+                    log.token_times_s.append(end_s)
+            for finished in output.finished:
+                log = logs[finished.request_id]
+                log.finish_s = end_s
+                log.num_cached_tokens = finished.num_cached_prompt_tokens
+                log.num_preemptions = finished.num_preemptions
+                log.num_recomputed_tokens = finished.num_recomputed_tokens
+                log.peak_kv_slots = finished.peak_kv_slots
+                log.peak_kv_slots_unshared = finished.peak_kv_slots_unshared
+                outputs[finished.request_id] = finished.output_token_ids
+            for rejected in output.rejected:
+                logs[rejected.request_id].rejected_reason = rejected.reason
+            progressed = output.tokens or output.finished or output.rejected or output.stats.num_scheduled_tokens
+            idle_steps = 0 if progressed else idle_steps + 1
+            if idle_steps >= MAX_IDLE_STEPS:
+                raise RuntimeError(
+                    f"engine {engine.name!r} made no progress for {MAX_IDLE_STEPS} steps "
+                    f"({output.stats.num_waiting} waiting, {output.stats.num_running} running)"
+                )
+            num_done += len(output.finished) + len(output.rejected)
+            num_tokens += len(output.tokens)
+            bar.update(num_done, num_tokens, end_s)
+    finally:
+        bar.close()
+    duration_s = clock.now()
+    return RawRun(
+        requests=_requests_frame(logs.values(), outputs),
+        steps=pd.DataFrame(step_rows),
+        duration_s=duration_s,
+        num_steps=len(step_rows),
+        outputs=outputs,
+    )
+
+
+def _requests_frame(logs: Any, outputs: dict[str, tuple[tuple[int, ...], ...]]) -> pd.DataFrame:
+    rows = []
+    for log in logs:
+        row = {
+            "request_id": log.request_id,
+            "arrival_s": log.arrival_s,
+            "first_scheduled_s": log.first_scheduled_s,
+            "first_token_s": log.first_token_s,
+            "finish_s": log.finish_s,
+            "token_times_s": log.token_times_s,
+            "num_prompt_tokens": log.num_prompt_tokens,
+            "num_output_tokens": len(outputs[log.request_id][0]) if log.request_id in outputs else 0,
+            "num_generated_tokens": log.num_generated_tokens,
+            "num_samples": log.num_samples,
+            "num_cached_tokens": log.num_cached_tokens,
+            "num_preemptions": log.num_preemptions,
+            "num_recomputed_tokens": log.num_recomputed_tokens,
+            "peak_kv_slots": log.peak_kv_slots,
+            "peak_kv_slots_unshared": log.peak_kv_slots_unshared,
+            "rejected_reason": log.rejected_reason,
+        }
+        row.update({f"tag_{key}": str(value) for key, value in log.tags.items()})
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,1 @@
+"""Simulation mode: roofline cost model and calibration."""

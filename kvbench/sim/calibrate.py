@@ -1,0 +1,357 @@
+"""Fit the cost model's coefficients to real-mode step times: ``kvbench calibrate``.
+
+Each real-mode step row (``steps.parquet``) gives a measured ``duration_s`` and the
+step's composition. The cost model (kvbench.sim.cost_model) predicts::
+
+    duration_s - transfer_s = max(a * memory_bytes, b * flops)
+                              + step_overhead_s + per_token_overhead_s * tokens
+                              + per_seq_overhead_s * seqs
+
+with ``a = 1 / (bandwidth * memory_efficiency)`` and ``b = 1 / (peak * mfu)``. The ``max``
+makes the fit piecewise linear, so it alternates two steps until the split is stable:
+label every step memory- or compute-bound with the current ``a, b``, then solve a
+non-negative least-squares problem in which each step keeps only its dominant roofline
+column. Residuals are relative (each row divided by its measured time) so that short
+decode steps weigh as much as long prefills. PCIe bandwidth is a published figure and is
+not fitted: modeled transfer time is subtracted first.
+
+A roofline term that no step is bound by (or that fits to 0) cannot be identified; it
+keeps the base profile's coefficient and the fit says so in ``notes``. When the fit
+implies more than the profile's nominal bandwidth or peak (caches on a CPU), the nominal
+figure is raised to the fitted one and the efficiency set to 1, also noted.
+
+Step composition comes from the StepStats columns. Columns a richer engine may add are
+used when present (``num_prefill_seqs``, ``num_prefill_attention_pairs``,
+``num_prefill_context_tokens``, ``num_decode_context_tokens``); otherwise prefill chunks
+are taken to start at position 0 in one sequence and decode context to be the KV tokens
+held (``kv_token_bytes / kv_bytes_per_token``) minus the prefill tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvbench.sim.cost_model import CostModel, StepShape
+from kvbench.specs import HardwareSpec, ModelSpec, SpecError
+
+# Steps shorter than this are clock noise (a perf_counter read is ~100 ns) and would
+# dominate a relative-error fit.
+MIN_DURATION_S = 1e-6
+
+
+class CalibrationError(ValueError):
+    """Results that cannot be fitted; the message names the run, column or argument."""
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """One real-mode run's steps plus the byte sizes its engine used."""
+
+    run_id: str
+    steps: pd.DataFrame
+    spec: ModelSpec
+    kv_bytes_per_token: int
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
+class CalibrationFit:
+    """A fitted hardware profile and how well it explains the steps it was fitted on.
+
+    ``mean_abs_rel_error`` is mean(|predicted - measured| / measured) over the fitted
+    steps; ``notes`` lists terms kept from the base profile or nominal figures raised.
+    """
+
+    hardware: HardwareSpec
+    num_steps: int
+    num_memory_bound: int
+    num_compute_bound: int
+    mean_abs_rel_error: float
+    notes: tuple[str, ...] = ()
+
+
+def _int_column(row: Mapping[str, Any], name: str, default: int) -> int:
+    value = row.get(name, default)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return default
+    return int(value)
+
+
+def shape_from_step(row: Mapping[str, Any], kv_bytes_per_token: int) -> StepShape:
+    """The cost model's view of one ``steps.parquet`` row (see the module docstring).
+
+    Pure. Raises CalibrationError naming the column when a required one is missing.
+    """
+    for name in ("num_prefill_tokens", "num_decode_tokens"):
+        if name not in row:
+            raise CalibrationError(f"steps column {name!r} is missing")
+    prefill = _int_column(row, "num_prefill_tokens", 0)
+    decode = _int_column(row, "num_decode_tokens", 0)
+    prefill_seqs = _int_column(row, "num_prefill_seqs", 1 if prefill else 0)
+    # One chunk per prefilling sequence, each starting at 0 and of equal length, unless
+    # the engine recorded the exact figures.
+    per_chunk = prefill / prefill_seqs if prefill_seqs else 0
+    pairs = _int_column(row, "num_prefill_attention_pairs", round(prefill_seqs * per_chunk * (per_chunk + 1) / 2))
+    prefill_context = _int_column(row, "num_prefill_context_tokens", prefill)
+    held = _int_column(row, "kv_token_bytes", 0) // kv_bytes_per_token
+    decode_context = _int_column(row, "num_decode_context_tokens", max(decode, held - prefill_context))
+    host = _int_column(row, "bytes_to_host", 0) + _int_column(row, "bytes_from_host", 0)
+    return StepShape(prefill, prefill_seqs, pairs, prefill_context, decode, decode_context if decode else 0, host)
+
+
+def nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Non-negative least squares: argmin ||matrix @ x - target|| subject to x >= 0.
+
+    Exact for the handful of columns used here: the optimum is the unconstrained
+    least-squares solution on its support, so every support is tried (2**k - 1 solves)
+    and the best feasible one kept. Columns are scaled to unit norm first for
+    conditioning. Raises ValueError for more than 12 columns.
+    """
+    num_cols = matrix.shape[1]
+    if num_cols > 12:
+        raise ValueError(f"nnls: {num_cols} columns is too many for the exhaustive solver")
+    norms = np.linalg.norm(matrix, axis=0)
+    usable = norms > 0
+    scaled = matrix / np.where(usable, norms, 1.0)
+    best = np.zeros(num_cols)
+    best_residual = float(np.sum(target**2))
+    candidates = [i for i in range(num_cols) if usable[i]]
+    for size in range(1, len(candidates) + 1):
+        for support in itertools.combinations(candidates, size):
+            cols = list(support)
+            solution, *_ = np.linalg.lstsq(scaled[:, cols], target, rcond=None)
+            if np.any(solution < 0):
+                continue
+            residual = float(np.sum((scaled[:, cols] @ solution - target) ** 2))
+            if residual < best_residual - 1e-15 * max(best_residual, 1.0):
+                best_residual = residual
+                best = np.zeros(num_cols)
+                best[cols] = solution
+    return best / np.where(usable, norms, 1.0)
+
+
+def fit(
+    runs: Sequence[CalibrationRun], base: HardwareSpec, name: str, max_iterations: int = 20
+) -> CalibrationFit:
+    """Fit ``base``'s cost coefficients to the steps of ``runs`` (see module docstring).
+
+    Pure. Returns a profile named ``name`` keeping base's memory size and PCIe
+    bandwidth. Raises CalibrationError when there is no usable step.
+    """
+    base.validate()
+    rows: list[tuple[float, float, int, int, float]] = []  # memory_bytes, flops, tokens, seqs, target_s
+    for run in runs:
+        model = CostModel(base_spec_check(run), base, kv_bytes_per_token=run.kv_bytes_per_token, weight_bytes=run.weight_bytes)
+        if "duration_s" not in run.steps:
+            raise CalibrationError(f"run {run.run_id}: steps column 'duration_s' is missing")
+        for row in run.steps.to_dict("records"):
+            duration = float(row["duration_s"])
+            features = model.features(shape_from_step(row, run.kv_bytes_per_token))
+            target = duration - model.transfer_s(features.host_bytes)
+            if not duration >= MIN_DURATION_S or target <= 0:
+                continue
+            rows.append((features.memory_bytes, features.flops, features.num_tokens, features.num_seqs, target))
+    if not rows:
+        raise CalibrationError("no usable steps to fit (every step had zero or unknown duration)")
+    data = np.array(rows, dtype=np.float64)
+    memory, flops, tokens, seqs, target = data.T
+    has_tokens = tokens > 0
+    weight = 1.0 / target  # relative residuals
+    s_per_byte = 1.0 / (base.hbm_bandwidth_gbps * 1e9 * base.memory_efficiency)
+    s_per_flop = 1.0 / (base.bf16_tflops * 1e12 * base.mfu)
+    free = {"memory": True, "compute": True}
+    notes: list[str] = []
+    memory_bound = (memory * s_per_byte >= flops * s_per_flop) & has_tokens
+    overheads = np.zeros(3)
+    for _ in range(max_iterations):
+        compute_bound = ~memory_bound & has_tokens
+        columns = [memory * memory_bound, flops * compute_bound, has_tokens | ~has_tokens, tokens, seqs]
+        fixed = np.zeros_like(target)
+        if not free["memory"]:
+            fixed += memory * memory_bound * s_per_byte
+        if not free["compute"]:
+            fixed += flops * compute_bound * s_per_flop
+        matrix = np.column_stack(columns).astype(np.float64)
+        keep = [free["memory"], free["compute"], True, True, True]
+        solution = np.zeros(5)
+        solution[keep] = nnls(matrix[:, keep] * weight[:, None], (target - fixed) * weight)
+        changed = False
+        for index, term in ((0, "memory"), (1, "compute")):
+            if free[term] and solution[index] <= 0:
+                free[term] = False  # not identifiable from these steps: keep base
+                notes.append(f"{term} term not identifiable from these steps: kept the base profile's value")
+                changed = True
+        if changed:
+            continue
+        if free["memory"]:
+            s_per_byte = float(solution[0])
+        if free["compute"]:
+            s_per_flop = float(solution[1])
+        overheads = solution[2:]
+        new_bound = (memory * s_per_byte >= flops * s_per_flop) & has_tokens
+        if np.array_equal(new_bound, memory_bound):
+            break
+        memory_bound = new_bound
+    hardware, raised = _to_hardware(base, name, s_per_byte, s_per_flop, overheads)
+    notes.extend(raised)
+    predicted = np.maximum(memory * s_per_byte, flops * s_per_flop) * has_tokens
+    predicted = predicted + overheads[0] + overheads[1] * tokens + overheads[2] * seqs
+    error = float(np.mean(np.abs(predicted - target) / target))
+    return CalibrationFit(
+        hardware=hardware,
+        num_steps=len(target),
+        num_memory_bound=int(memory_bound.sum()),
+        num_compute_bound=int((~memory_bound & has_tokens).sum()),
+        mean_abs_rel_error=error,
+        notes=tuple(dict.fromkeys(notes)),
+    )
+
+
+def base_spec_check(run: CalibrationRun) -> ModelSpec:
+    """The run's model spec, validated; CalibrationError naming the run when invalid."""
+    try:
+        run.spec.validate()
+    except SpecError as exc:
+        raise CalibrationError(f"run {run.run_id}: {exc}") from None
+    return run.spec
+
+
+def _to_hardware(
+    base: HardwareSpec, name: str, s_per_byte: float, s_per_flop: float, overheads: np.ndarray
+) -> tuple[HardwareSpec, list[str]]:
+    """Coefficients -> a HardwareSpec; nominal figures raised when efficiency would exceed 1."""
+    notes = []
+    bandwidth_gbps, efficiency = base.hbm_bandwidth_gbps, 1.0 / (s_per_byte * base.hbm_bandwidth_gbps * 1e9)
+    if efficiency > 1.0:
+        bandwidth_gbps, efficiency = 1.0 / (s_per_byte * 1e9), 1.0
+        notes.append(f"fitted bandwidth exceeds the nominal one: hbm_bandwidth_gbps raised to {bandwidth_gbps:.4g}")
+    tflops, mfu = base.bf16_tflops, 1.0 / (s_per_flop * base.bf16_tflops * 1e12)
+    if mfu > 1.0:
+        tflops, mfu = 1.0 / (s_per_flop * 1e12), 1.0
+        notes.append(f"fitted FLOP rate exceeds the nominal peak: bf16_tflops raised to {tflops:.4g}")
+    hardware = dataclasses.replace(
+        base,
+        name=name,
+        hbm_bandwidth_gbps=float(bandwidth_gbps),
+        memory_efficiency=float(efficiency),
+        bf16_tflops=float(tflops),
+        mfu=float(mfu),
+        step_overhead_s=float(overheads[0]),
+        per_token_overhead_s=float(overheads[1]),
+        per_seq_overhead_s=float(overheads[2]),
+    )
+    hardware.validate()
+    return hardware, notes
+
+
+# --------------------------------------------------------------------------- results -> runs
+def runs_from_results(results: Any) -> tuple[list[CalibrationRun], HardwareSpec]:
+    """Real-mode, successful runs of a ``kvbench.results.Results`` and their common hardware.
+
+    Raises CalibrationError when there is no such run, the runs were measured on
+    different hardware profiles, or a run lacks the meta fields the fit needs.
+    """
+    runs_frame = results.runs
+    selected = runs_frame
+    if "mode" in selected:
+        selected = selected[selected["mode"] == "real"]
+    if "status" in selected:
+        selected = selected[selected["status"] == "ok"]
+    if selected.empty:
+        raise CalibrationError("no successful real-mode runs (run.mode=real) in these results")
+    hardware_names = sorted(set(selected.get("hardware.name", pd.Series(["?"])).astype(str)))
+    if len(hardware_names) > 1:
+        raise CalibrationError(f"runs measured with different hardware profiles {hardware_names}: calibrate one at a time")
+    model_fields = [f.name for f in dataclasses.fields(ModelSpec)]
+    hardware_fields = [f.name for f in dataclasses.fields(HardwareSpec)]
+    calibration_runs = []
+    base = None
+    for row in selected.to_dict("records"):
+        run_id = str(row["run_id"])
+        for column in ("kv_bytes_per_token", "weight_bytes"):
+            if row.get(column) is None or pd.isna(row.get(column)):
+                raise CalibrationError(f"run {run_id}: meta field {column!r} is missing")
+        spec = ModelSpec(**{f: _plain(row[f"model.{f}"]) for f in model_fields if f"model.{f}" in row})
+        if base is None:
+            base = HardwareSpec(**{f: _plain(row[f"hardware.{f}"]) for f in hardware_fields if f"hardware.{f}" in row})
+        steps = results.steps[results.steps["run_id"] == run_id]
+        calibration_runs.append(
+            CalibrationRun(run_id, steps, spec, int(row["kv_bytes_per_token"]), int(row["weight_bytes"]))
+        )
+    assert base is not None
+    return calibration_runs, base
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and NaN (from a frame) -> plain Python values / None."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
+def to_yaml(result: CalibrationFit, source: str) -> str:
+    """The fitted profile as a ``conf/hardware/*.yaml`` file with a provenance header."""
+    hw = result.hardware
+    lines = [
+        f"# Fitted by `kvbench calibrate {source}` on {result.num_steps:,} real-mode steps",
+        f"# ({result.num_memory_bound:,} memory-bound, {result.num_compute_bound:,} compute-bound); "
+        f"mean |relative error| {result.mean_abs_rel_error:.1%}.",
+        *(f"# note: {note}" for note in result.notes),
+        "# Units: memory_bytes in bytes; *_gbps 1e9 B/s; bf16_tflops 1e12 FLOP/s; *_s seconds.",
+    ]
+    for field in dataclasses.fields(HardwareSpec):
+        value = getattr(hw, field.name)
+        lines.append(f"{field.name}: {value!r}" if not isinstance(value, str) else f"{field.name}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def default_output(name: str) -> Path:
+    """``conf/hardware/<name>.yaml`` of the installed config package (``hardware=<name>`` finds it)."""
+    return Path(str(resources.files("kvbench.conf").joinpath("hardware"))) / f"{name}.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvbench calibrate RESULTS_DIR [--name NAME] [--out FILE]``; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="kvbench calibrate",
+        description="Fit the simulation cost model (memory efficiency, MFU, overheads) to real-mode "
+        "results and write a hardware profile usable as hardware=NAME.",
+    )
+    parser.add_argument("results_dir", help="a run or sweep directory of real-mode results")
+    parser.add_argument("--name", default="calibrated", help="profile name (default: calibrated)")
+    parser.add_argument("--out", default=None, help="output YAML (default: conf/hardware/NAME.yaml in kvbench.conf)")
+    args = parser.parse_args(argv)
+    from kvbench.results import ResultsError, load
+
+    try:
+        runs, base = runs_from_results(load(args.results_dir))
+        result = fit(runs, base, args.name)
+    except (CalibrationError, ResultsError, SpecError) as exc:
+        print(f"kvbench calibrate: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else default_output(args.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(result, args.results_dir))
+    hw = result.hardware
+    print(
+        f"{hw.name}: memory_efficiency {hw.memory_efficiency:.3g} of {hw.hbm_bandwidth_gbps:.4g} GB/s, "
+        f"mfu {hw.mfu:.3g} of {hw.bf16_tflops:.4g} TFLOP/s, overheads {hw.step_overhead_s * 1e3:.3g} ms/step "
+        f"+ {hw.per_token_overhead_s * 1e6:.3g} us/token + {hw.per_seq_overhead_s * 1e6:.3g} us/seq; "
+        f"{result.num_steps:,} steps, mean |rel. error| {result.mean_abs_rel_error:.1%}"
+    )
+    for note in result.notes:
+        print(f"  note: {note}")
+    print(f"wrote {out}")
+    return 0

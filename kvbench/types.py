@@ -1,0 +1,190 @@
+"""The records that flow between stages: workloads -> engines -> runner -> metrics.
+
+Everything here is a frozen dataclass with units in field names. Engines and
+workloads import these types; the core never imports a specific engine or workload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from kvbench.specs import HardwareSpec, ModelSpec
+
+
+# --------------------------------------------------------------------------- workloads
+@dataclass(frozen=True)
+class Request:
+    """One user request as a workload produces it.
+
+    ``n > 1`` asks for n parallel samples that share the prompt (best-of-n);
+    ``beam_width > 1`` asks for beam search. ``ignore_eos`` (the benchmark default)
+    makes the output length exactly ``max_new_tokens``.
+    """
+
+    request_id: str
+    arrival_s: float
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    n: int = 1
+    beam_width: int = 1
+    priority: int = 0  # lower is more important (vLLM's convention)
+    cache_salt: str | None = None
+    ignore_eos: bool = True
+    # 0 is greedy. Parallel samples (n > 1) need > 0 to differ; beam search ignores it.
+    temperature: float = 0.0
+    # Free-form labels: workload kind, conversation id, turn, passkey depth, ...
+    tags: Mapping[str, str] = field(default_factory=dict)
+    # Tokens a correct model should produce (passkey answers); empty when not scored.
+    expected_output_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A seeded list of requests sorted by arrival, plus what was changed to make it.
+
+    ``counters`` reports every truncation, cap and skip (for example
+    ``{"num_skipped_invalid": 2, "num_prompts_truncated": 5}``) so nothing is
+    silently dropped; the runner stores them with the run.
+    """
+
+    name: str
+    requests: tuple[Request, ...]
+    source: str = "synthetic"
+    counters: Mapping[str, int] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- engines
+@dataclass(frozen=True)
+class KVUsage:
+    """A KV manager's memory at one instant, in bytes of the (simulated) device pool.
+
+    ``allocated_bytes = token_bytes + reserved_unused_bytes + internal_frag_bytes``:
+    token state actually written, slots reserved for tokens the sequence will still
+    produce, and slots allocated that it never will (partial blocks, over-reservation).
+    ``external_frag_bytes`` is free memory that no waiting request can use (slab holes).
+    Prefix-cache blocks no live sequence owns are ``cached_bytes`` (reclaimable, so not
+    counted as allocated). Block counts are 0 for managers without blocks.
+    """
+
+    capacity_bytes: int
+    allocated_bytes: int
+    token_bytes: int
+    reserved_unused_bytes: int = 0
+    internal_frag_bytes: int = 0
+    external_frag_bytes: int = 0
+    cached_bytes: int = 0
+    host_bytes: int = 0  # KV resident in the host tier (offload, swap)
+    num_blocks_total: int = 0
+    num_blocks_in_use: int = 0
+    num_blocks_cached_free: int = 0
+    num_blocks_free: int = 0
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine iteration did. Counts are for this step only."""
+
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv: KVUsage
+    num_swapped: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_evicted_blocks: int = 0  # prefix-cache evictions to make room
+    num_evicted_tokens: int = 0  # lossy eviction (H2O, streaming)
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    modeled_transfer_s: float = 0.0  # host transfer time from the PCIe model (CPU)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token produced this step for sample ``sample_index`` of ``request_id``."""
+
+    request_id: str
+    sample_index: int
+    token_id: int
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request the engine retired this step, with per-request engine counters."""
+
+    request_id: str
+    output_token_ids: tuple[tuple[int, ...], ...]  # one tuple per sample / beam
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    # Peak KV token slots this request's sequences held at once (sharing counted once).
+    peak_kv_slots: int = 0
+    # The same without sharing (sum over samples of their own length): what sharing saved.
+    peak_kv_slots_unshared: int = 0
+
+
+@dataclass(frozen=True)
+class RejectedRequest:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: tuple[TokenEvent, ...]
+    first_scheduled: tuple[str, ...]
+    finished: tuple[FinishedRequest, ...]
+    rejected: tuple[RejectedRequest, ...]
+    stats: StepStats
+    # Simulation mode: the cost model's duration of this step. None for real engines,
+    # whose step time the runner reads from the clock.
+    modeled_duration_s: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What every engine is built from (engine configs are Hydra partials taking it).
+
+    ``model`` is the torch decoder (kvbench.model.LlamaModel) in real mode and None in
+    simulation mode, where engines must not touch tensors.
+    """
+
+    spec: ModelSpec
+    hardware: HardwareSpec
+    model: Any | None
+    device: str = "cpu"
+    kv_dtype: str = "fp32"
+    seed: int = 0
+    mode: str = "real"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine driven by the runner, one iteration per ``step``.
+
+    ``add_request`` only queues (mutates the waiting queue); a request that can never
+    run is reported in ``StepOutput.rejected`` by a later step, never raised.
+    ``step`` runs one scheduler iteration and returns what happened; on CUDA it
+    synchronises before returning so the runner's clock reads finished work.
+    """
+
+    name: str
+
+    def add_request(self, request: Request) -> None: ...
+
+    def step(self) -> StepOutput: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def describe(self) -> dict[str, Any]:
+        """Static facts for the run record: kv bytes per token, pool bytes, block size."""
+        ...

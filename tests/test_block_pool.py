@@ -1,0 +1,198 @@
+"""BlockPool: LRU free list, reference counts, cached blocks, soft references."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvbench.engines.block_pool import BlockPool
+
+
+def test_fresh_pool_hands_out_ids_in_order_and_all_are_usable():
+    pool = BlockPool(4)
+    assert pool.free_blocks() == [0, 1, 2, 3]
+    assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]  # block 0 is not reserved
+    assert pool.num_free == 0
+    with pytest.raises(MemoryError, match="no free block"):
+        pool.allocate()
+    pool.check()
+
+
+def test_freed_blocks_are_reused_least_recently_freed_first():
+    pool = BlockPool(4)
+    blocks = pool.allocate_many(4)
+    for b in (2, 0, 3):
+        pool.decref(blocks[b])
+    assert pool.free_blocks() == [2, 0, 3]
+    assert pool.allocate() == 2
+    pool.check()
+
+
+def test_incref_revives_a_block_from_the_middle_of_the_free_list():
+    pool = BlockPool(5)
+    pool.allocate_many(5)
+    pool.free_many([0, 1, 2, 3, 4])
+    pool.set_cached(2, True)
+    assert pool.num_cached_free == 1
+    pool.incref(2)
+    assert pool.free_blocks() == [0, 1, 3, 4]
+    assert pool.ref_count(2) == 1 and pool.num_cached_free == 0
+    pool.check()
+
+
+def test_reusing_a_cached_block_clears_it_and_calls_the_listener():
+    pool = BlockPool(2)
+    reused = []
+    pool.set_reuse_listener(reused.append)
+    a, b = pool.allocate_many(2)
+    pool.set_cached(a, True)
+    pool.free_many([a, b])
+    assert pool.num_cached_free == 1
+    assert pool.allocate() == a
+    assert reused == [a] and not pool.is_cached(a) and pool.num_cached_free == 0
+    assert pool.allocate() == b
+    assert reused == [a]
+    with pytest.raises(ValueError, match="already set"):
+        pool.set_reuse_listener(print)
+    pool.check()
+
+
+def test_soft_references_make_a_block_reclaimable_only_when_all_are_soft():
+    pool = BlockPool(3)
+    b = pool.allocate()
+    pool.incref(b)  # two holders
+    pool.soften(b)
+    assert pool.num_reclaimable == 0
+    pool.decref(b)  # the hard holder leaves
+    assert pool.num_reclaimable == 1
+    pool.incref(b)  # a new hard holder pins it
+    assert pool.num_reclaimable == 0
+    pool.decref(b)
+    pool.harden(b)
+    assert pool.num_reclaimable == 0
+    assert pool.decref(b) is True and pool.num_free == 3
+    pool.check()
+
+
+def test_misuse_raises_naming_the_block():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="block 1 has no hard reference"):
+        pool.decref(1)
+    b = pool.allocate()
+    pool.soften(b)
+    with pytest.raises(ValueError, match=f"block {b} has no hard reference"):
+        pool.decref(b)
+    with pytest.raises(ValueError, match="no hard reference to soften"):
+        pool.soften(b)
+    with pytest.raises(MemoryError, match="3 blocks requested, 1 free"):
+        pool.allocate_many(3)
+    assert pool.num_free == 1  # allocate_many allocated nothing
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(-1)
+
+
+def test_check_detects_a_corrupted_free_list():
+    pool = BlockPool(3)
+    pool._prev[1] = 2  # break the back pointer of block 1
+    with pytest.raises(AssertionError, match="prev pointer of block 1"):
+        pool.check()
+
+
+def test_empty_pool():
+    pool = BlockPool(0)
+    pool.check()
+    assert pool.free_blocks() == [] and pool.num_free == 0
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate / incref / decref / soften / harden / cache sequences against a model."""
+
+    NUM_BLOCKS = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(self.NUM_BLOCKS)
+        self.reused: list[int] = []
+        self.pool.set_reuse_listener(self.reused.append)
+        self.hard = [0] * self.NUM_BLOCKS
+        self.soft = [0] * self.NUM_BLOCKS
+        self.cached = [False] * self.NUM_BLOCKS
+        self.free_order = list(range(self.NUM_BLOCKS))  # model LRU list
+
+    def _held(self) -> list[int]:
+        return [b for b in range(self.NUM_BLOCKS) if self.hard[b] + self.soft[b] > 0]
+
+    @precondition(lambda self: self.free_order)
+    @rule()
+    def allocate(self):
+        b = self.pool.allocate()
+        assert b == self.free_order.pop(0)
+        if self.cached[b]:
+            assert self.reused[-1] == b
+            self.cached[b] = False
+        self.hard[b] = 1
+
+    @rule(data=st.data())
+    def incref(self, data):
+        b = data.draw(st.integers(0, self.NUM_BLOCKS - 1))
+        if self.hard[b] + self.soft[b] == 0:
+            self.free_order.remove(b)
+        self.pool.incref(b)
+        self.hard[b] += 1
+
+    @precondition(lambda self: any(self.hard))
+    @rule(data=st.data())
+    def decref(self, data):
+        b = data.draw(st.sampled_from([b for b in range(self.NUM_BLOCKS) if self.hard[b]]))
+        self.hard[b] -= 1
+        freed = self.pool.decref(b)
+        assert freed == (self.hard[b] + self.soft[b] == 0)
+        if freed:
+            self.free_order.append(b)
+
+    @precondition(lambda self: any(self.hard))
+    @rule(data=st.data())
+    def soften(self, data):
+        b = data.draw(st.sampled_from([b for b in range(self.NUM_BLOCKS) if self.hard[b]]))
+        self.pool.soften(b)
+        self.hard[b] -= 1
+        self.soft[b] += 1
+
+    @precondition(lambda self: any(self.soft))
+    @rule(data=st.data())
+    def harden(self, data):
+        b = data.draw(st.sampled_from([b for b in range(self.NUM_BLOCKS) if self.soft[b]]))
+        self.pool.harden(b)
+        self.soft[b] -= 1
+        self.hard[b] += 1
+
+    @rule(data=st.data(), cached=st.booleans())
+    def set_cached(self, data, cached):
+        b = data.draw(st.integers(0, self.NUM_BLOCKS - 1))
+        self.pool.set_cached(b, cached)
+        self.cached[b] = cached
+
+    @invariant()
+    def matches_model(self):
+        self.pool.check()
+        assert self.pool.free_blocks() == self.free_order
+        held = self._held()
+        assert self.pool.num_free == self.NUM_BLOCKS - len(held)
+        assert self.pool.num_reclaimable == sum(1 for b in held if self.hard[b] == 0)
+        assert self.pool.num_cached_free == sum(1 for b in self.free_order if self.cached[b])
+
+    def teardown(self):
+        # Release every reference: nothing may leak.
+        for b in range(self.NUM_BLOCKS):
+            for _ in range(self.soft[b]):
+                self.pool.harden(b)
+            for _ in range(self.hard[b] + self.soft[b]):
+                self.pool.decref(b)
+        self.pool.check()
+        assert self.pool.num_free == self.NUM_BLOCKS
+
+
+PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPoolMachine = PoolMachine.TestCase

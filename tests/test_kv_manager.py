@@ -1,0 +1,375 @@
+"""PagedKVManager: exact scenarios plus a random-operation state machine per prefix index.
+
+The state machine keeps a shadow KV memory (one token id per slot) and applies the
+returned KVOps like an executor would, so it checks contents, not just counts: every
+token a live sequence has written must be readable through its block table.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvbench.engines.kv_manager import KVCapacityError, KVOps, PagedKVManager
+from kvbench.engines.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
+from kvbench.engines.radix_cache import RadixPrefixIndex
+from kvbench.types import KVUsage
+
+BS = 4
+SYSTEM = [100, 101, 102, 103, 104, 105, 106, 107]  # two full blocks
+
+
+def make(index=None, num_blocks=8, num_host_blocks=0, bytes_per_token=10) -> PagedKVManager:
+    return PagedKVManager(
+        num_blocks=num_blocks,
+        block_size=BS,
+        bytes_per_token=bytes_per_token,
+        prefix_index=index if index is not None else BlockHashPrefixIndex(),
+        num_host_blocks=num_host_blocks,
+    )
+
+
+def prefill(m: PagedKVManager, seq_id: int, tokens: list[int], extra_key=None) -> tuple[int, KVOps]:
+    """Allocate the whole prompt at once and commit it (as a scheduler would after the step)."""
+    cached = m.num_cached_tokens(tokens, extra_key)
+    result = m.allocate(seq_id, tokens, len(tokens) - cached, extra_key)
+    m.commit(seq_id, tokens)
+    m.check()
+    return result
+
+
+# --------------------------------------------------------------------------- scenarios
+def test_shared_system_prompt_hits_whole_blocks_and_counts_tokens():
+    m = make()
+    a = SYSTEM + [1, 2, 3]
+    b = SYSTEM + [7, 8]
+    assert prefill(m, 0, a) == (0, KVOps())
+    assert m.block_table(0) == [0, 1, 2]
+    assert m.num_cached_tokens(b, None) == 8
+    assert prefill(m, 1, b) == (8, KVOps())
+    assert m.block_table(1) == [0, 1, 3]  # shares the two system-prompt blocks
+    assert m.pool.ref_count(0) == 2 and m.pool.ref_count(1) == 2
+    assert (m.num_prefix_query_tokens, m.num_prefix_hit_tokens) == (21, 8)
+    usage = m.usage()
+    assert usage.num_blocks_in_use == 4  # shared blocks count once
+    assert usage.token_bytes == (8 + 3 + 2) * 10
+    assert usage.allocated_bytes == 4 * BS * 10
+    assert usage.internal_frag_bytes == usage.allocated_bytes - usage.token_bytes
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    m = make()
+    prefill(m, 0, SYSTEM)
+    m.free(0)
+    # 8 tokens all cached, but the hit is capped at 7 and then block aligned: one block.
+    assert m.num_cached_tokens(SYSTEM, None) == 4
+    assert m.allocate(1, SYSTEM, 4, None) == (4, KVOps())
+    m.check()
+
+
+def test_extra_key_separates_caches():
+    m = make()
+    prefill(m, 0, SYSTEM + [1], extra_key="salt-a")
+    assert m.num_cached_tokens(SYSTEM + [1], "salt-a") == 8
+    assert m.num_cached_tokens(SYSTEM + [1], "salt-b") == 0
+    assert m.num_cached_tokens(SYSTEM + [1], None) == 0
+
+
+def test_freed_blocks_stay_cached_and_are_revived_by_a_later_hit():
+    m = make()
+    prefill(m, 0, SYSTEM + [1])
+    m.free(0)
+    usage = m.usage()
+    assert (usage.num_blocks_in_use, usage.num_blocks_cached_free, usage.num_blocks_free) == (0, 2, 6)
+    assert usage.cached_bytes == 2 * BS * 10 and usage.allocated_bytes == 0
+    assert prefill(m, 1, SYSTEM + [2])[0] == 8
+    assert m.block_table(1)[:2] == [0, 1]
+    assert m.usage().num_blocks_cached_free == 0
+
+
+def test_eviction_under_pressure_takes_the_least_recently_freed_tail_first():
+    m = make(num_blocks=6)
+    a = [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4]  # 3 full blocks + 1 partial
+    prefill(m, 0, a)
+    assert m.block_table(0) == [0, 1, 2, 3]
+    m.free(0)  # freed tail first: 3, 2, 1, 0
+    assert m.pool.free_blocks() == [4, 5, 3, 2, 1, 0]
+    # A new 3-block request takes the never-used blocks, then block 3 (uncached partial).
+    prefill(m, 1, [9] * 12)
+    assert m.block_table(1) == [4, 5, 3] and m.num_evicted_blocks == 0
+    # The next block comes from the cached tail of the old prompt: block 2 is evicted first.
+    prefill(m, 2, [8] * 3)
+    assert m.block_table(2) == [2] and m.num_evicted_blocks == 1
+    # The shared head of the old prompt is still cached.
+    assert m.num_cached_tokens(a, None) == 8
+
+
+def test_fork_then_divergent_append_copies_the_shared_partial_block_once():
+    m = make(index=NullPrefixIndex())
+    prefill(m, 0, [1, 2, 3, 4, 5, 6])
+    assert m.block_table(0) == [0, 1]
+    m.fork(0, 1)
+    m.check()
+    assert m.pool.ref_count(1) == 2
+    # The first sibling to write claims slot 2 of block 1 in place ...
+    assert m.append(0, 1) == KVOps()
+    assert m.block_table(0) == [0, 1]
+    # ... the second must copy the block before writing its own token there.
+    assert m.append(1, 1) == KVOps(copies=((1, 2),))
+    assert m.block_table(1) == [0, 2] and m.num_cow_copies == 1
+    # Now each owns its last block: no more copies.
+    assert m.append(1, 1) == KVOps() and m.append(0, 1) == KVOps()
+    assert m.slot_mapping(1, 4, 8) == [8, 9, 10, 11]
+    assert m.slot_mapping(0, 6, 8) == [6, 7]
+    m.check()
+
+
+def test_beam_search_fork_and_free_of_dropped_beams_leaks_nothing():
+    m = make(index=NullPrefixIndex())
+    prefill(m, 0, [1, 2, 3])
+    for child in (1, 2, 3):
+        m.fork(0, child)
+    for seq in (0, 1, 2, 3):
+        m.append(seq, 2)
+    m.check()
+    m.free(2)
+    m.free(3)
+    m.fork(1, 4)
+    m.check()
+    for seq in (0, 1, 4):
+        m.free(seq)
+    m.check()
+    assert m.pool.num_free == 8 and m.usage().allocated_bytes == 0
+
+
+def test_chunked_prefill_allocates_per_chunk_and_registers_full_blocks_on_commit():
+    m = make()
+    prompt = SYSTEM + [1, 2, 3]
+    assert m.allocate(0, prompt, 5, None) == (0, KVOps())
+    assert m.num_tokens(0) == 5 and m.block_table(0) == [0, 1]
+    m.commit(0, prompt[:5])
+    assert m.num_cached_tokens(prompt, None) == 4
+    assert m.append(0, 6) == KVOps()
+    m.commit(0, prompt)
+    assert m.block_table(0) == [0, 1, 2] and m.num_cached_tokens(prompt + [5], None) == 8
+    with pytest.raises(ValueError, match="commits 12 tokens but has 11 slots"):
+        m.commit(0, [*prompt, 9])
+    m.check()
+
+
+def test_swap_moves_only_sole_owned_blocks_and_back():
+    m = make(num_host_blocks=2)
+    prefill(m, 0, SYSTEM + [1, 2, 3, 4, 5])  # blocks 0 1 2 3
+    prefill(m, 1, SYSTEM + [6])  # shares 0 1, owns 4
+    assert m.block_table(1) == [0, 1, 4]
+    assert m.can_swap_out(0)
+    ops = m.swap_out(0)
+    assert ops == KVOps(swap_out=((2, 0), (3, 1)))
+    assert m.is_swapped(0) and m.bytes_swapped_out == 2 * BS * 10
+    m.check()
+    usage = m.usage()
+    assert usage.host_bytes == 2 * BS * 10 and usage.num_blocks_in_use == 3
+    assert not m.can_swap_out(1)  # host pool full
+    with pytest.raises(ValueError, match="swapped out"):
+        m.block_table(0)
+    assert m.can_swap_in(0)
+    ops = m.swap_in(0)
+    assert [h for h, _ in ops.swap_in] == [0, 1]
+    assert m.block_table(0)[:2] == [0, 1] and m.bytes_swapped_in == 2 * BS * 10
+    m.check()
+    m.free(0)
+    m.free(1)
+    m.check()
+    assert m.usage().host_bytes == 0
+
+
+def test_capacity_errors_and_misuse():
+    m = make(num_blocks=2)
+    assert not m.can_allocate(0, list(range(9)), 9, None)
+    with pytest.raises(KVCapacityError, match="seq 0 needs 3 blocks, 2 allocatable"):
+        m.allocate(0, list(range(9)), 9, None)
+    assert not m.has_seq(0)
+    m.allocate(0, [1, 2, 3, 4], 4, None)
+    with pytest.raises(ValueError, match="seq 0 already exists"):
+        m.allocate(0, [1], 1, None)
+    with pytest.raises(KeyError, match="unknown seq 7"):
+        m.append(7, 1)
+    assert m.can_append(0, 4) and not m.can_append(0, 5)
+    with pytest.raises(KVCapacityError):
+        m.append(0, 5)
+    with pytest.raises(ValueError, match=r"range \[2, 5\) outside its 4 slots"):
+        m.slot_mapping(0, 2, 5)
+    with pytest.raises(ValueError, match="is not swapped out"):
+        m.swap_in(0)
+    with pytest.raises(ValueError, match="block_size"):
+        PagedKVManager(4, 0, 1, NullPrefixIndex())
+    with pytest.raises(ValueError, match="already bound"):
+        index = NullPrefixIndex()
+        make(index)
+        make(index)
+
+
+def test_check_reports_a_reference_count_that_disagrees_with_block_tables():
+    m = make()
+    prefill(m, 0, [1, 2, 3])
+    m.pool.incref(0)  # a reference nobody accounts for
+    with pytest.raises(AssertionError, match="block 0: ref_count=2 but 1 block-table refs"):
+        m.check()
+
+
+def test_usage_of_an_empty_manager():
+    m = make(num_blocks=3, bytes_per_token=7)
+    assert m.usage() == KVUsage(
+        capacity_bytes=3 * BS * 7,
+        allocated_bytes=0,
+        token_bytes=0,
+        num_blocks_total=3,
+        num_blocks_free=3,
+    )
+
+
+# --------------------------------------------------------------------------- state machine
+INDEXES = {"null": NullPrefixIndex, "hash": BlockHashPrefixIndex, "radix": RadixPrefixIndex}
+PROMPT_STEMS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 1], [3, 3, 3, 3, 3]]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    index_cls: type = NullPrefixIndex
+    NUM_BLOCKS = 10
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = PagedKVManager(self.NUM_BLOCKS, BS, 2, self.index_cls(), num_host_blocks=3)
+        self.device: dict[int, list[int | None]] = {b: [None] * BS for b in range(self.NUM_BLOCKS)}
+        self.host: dict[int, list[int | None]] = {b: [None] * BS for b in range(3)}
+        self.tokens: dict[int, list[int]] = {}  # full token list (prompt + sampled) per seq
+        self.written: dict[int, int] = {}  # positions whose KV is written
+        self.next_id = 0
+
+    # executor stand-in
+    def _apply(self, ops: KVOps) -> None:
+        for src, dst in ops.copies:
+            self.device[dst] = list(self.device[src])
+        for dev, host in ops.swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in ops.swap_in:
+            self.device[dev] = list(self.host[host])
+
+    def _write(self, seq: int, start: int, end: int) -> None:
+        for p, slot in zip(range(start, end), self.m.slot_mapping(seq, start, end)):
+            self.device[slot // BS][slot % BS] = self.tokens[seq][p]
+        self.written[seq] = end
+        self.m.commit(seq, self.tokens[seq][:end])
+
+    def _resident(self) -> list[int]:
+        return [s for s in self.tokens if not self.m.is_swapped(s)]
+
+    @rule(stem=st.sampled_from(PROMPT_STEMS), tail=st.lists(st.integers(1, 3), max_size=6), chunk=st.integers(1, 9))
+    def allocate(self, stem, tail, chunk):
+        prompt = stem + tail
+        seq = self.next_id
+        cached = self.m.num_cached_tokens(prompt, None)
+        assert cached <= len(prompt) - 1
+        chunk = min(chunk, len(prompt) - cached)
+        if not self.m.can_allocate(seq, prompt, chunk, None):
+            with pytest.raises(KVCapacityError):
+                self.m.allocate(seq, prompt, chunk, None)
+            return
+        self.next_id += 1
+        got, ops = self.m.allocate(seq, prompt, chunk, None)
+        assert got == cached
+        self._apply(ops)
+        self.tokens[seq] = list(prompt)
+        # The attached prefix must already hold the prompt's tokens.
+        for p, slot in zip(range(got), self.m.slot_mapping(seq, 0, got)):
+            assert self.device[slot // BS][slot % BS] == prompt[p], f"cached slot {slot} holds wrong token"
+        self._write(seq, got, got + chunk)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(1, 5), token=st.integers(1, 3))
+    def append(self, data, n, token):
+        candidates = self._resident()
+        if not candidates:
+            return
+        seq = data.draw(st.sampled_from(candidates))
+        done = self.written[seq]
+        if done < len(self.tokens[seq]):
+            n = min(n, len(self.tokens[seq]) - done)  # next prefill chunk
+        else:
+            n = 1  # decode one token
+        if not self.m.can_append(seq, n):
+            with pytest.raises(KVCapacityError):
+                self.m.append(seq, n)
+            return
+        self._apply(self.m.append(seq, n))
+        if done + n > len(self.tokens[seq]):
+            self.tokens[seq].append(token)
+        self._write(seq, done, done + n)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        candidates = [s for s in self._resident() if self.written[s] == self.m.num_tokens(s)]
+        if not candidates:
+            return
+        parent = data.draw(st.sampled_from(candidates))
+        child = self.next_id
+        self.next_id += 1
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.written[child] = self.written[parent]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.m.free(seq)
+        del self.tokens[seq], self.written[seq]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        if self.m.is_swapped(seq):
+            if self.m.can_swap_in(seq):
+                self._apply(self.m.swap_in(seq))
+        elif self.m.can_swap_out(seq):
+            self._apply(self.m.swap_out(seq))
+
+    @rule(n=st.integers(1, 4))
+    def evict(self, n):
+        before = self.m.pool.num_free
+        freed = self.m.prefix_index.evict(n)
+        assert self.m.pool.num_free == before + freed
+
+    @invariant()
+    def consistent(self):
+        self.m.check()
+        for seq in self._resident():
+            written = self.written[seq]
+            for p, slot in zip(range(written), self.m.slot_mapping(seq, 0, written)):
+                assert self.device[slot // BS][slot % BS] == self.tokens[seq][p], (
+                    f"seq {seq} position {p}: slot {slot} holds the wrong token"
+                )
+        usage = self.m.usage()
+        assert usage.num_blocks_free + usage.num_blocks_in_use + usage.num_blocks_cached_free == self.NUM_BLOCKS
+
+    def teardown(self):
+        for seq in sorted(self.tokens):
+            self.m.free(seq)
+        self.m.check()
+        self.m.prefix_index.evict(self.NUM_BLOCKS)
+        self.m.check()
+        # No block leaked: everything is free (cached-free counts as free).
+        assert self.m.pool.num_free == self.NUM_BLOCKS
+        assert self.m.host_pool.num_free == 3
+        assert self.m.usage().allocated_bytes == 0
+
+
+@pytest.mark.parametrize("index_name", sorted(INDEXES))
+def test_random_operations_keep_invariants_and_contents(index_name):
+    machine = type(f"ManagerMachine_{index_name}", (ManagerMachine,), {"index_cls": INDEXES[index_name]})
+    machine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+    machine.TestCase("runTest").runTest()

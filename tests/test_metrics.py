@@ -1,0 +1,212 @@
+"""Derived metrics on hand-built runs whose every number is worked out below."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from run_fixtures import exact_run
+
+from kvbench import metrics
+
+
+@pytest.fixture
+def exact():
+    return exact_run()
+
+
+def summary_of(requests, steps, meta, memory=None):
+    return metrics.summarize_run(requests, steps, meta, memory)
+
+
+def test_latencies_follow_vllm_definitions(exact):
+    requests, steps, memory, meta = exact
+    m = summary_of(requests, steps, meta, memory).metrics
+    # TTFT 100, 200, 150 ms (r3 rejected, excluded)
+    assert m["ttft_ms_mean"] == pytest.approx(150.0)
+    assert m["ttft_ms_median"] == pytest.approx(150.0)
+    assert m["ttft_ms_p90"] == pytest.approx(190.0)  # numpy linear interpolation, as vLLM
+    assert m["ttft_ms_p99"] == pytest.approx(199.0)
+    # E2EL 500, 400, 150 ms
+    assert m["e2el_ms_mean"] == pytest.approx(350.0)
+    assert m["e2el_ms_median"] == pytest.approx(400.0)
+    # TPOT r0 = (500 - 100) / 3, r1 = (400 - 200) / 1; r2 has one token: no TPOT
+    assert m["tpot_ms_mean"] == pytest.approx((400 / 3 + 200) / 2)
+    assert m["tpot_ms_p99"] == pytest.approx(400 / 3 + 0.99 * (200 - 400 / 3))
+    # ITL gaps pooled: r0 100 100 200, r1 200
+    assert m["itl_ms_mean"] == pytest.approx(150.0)
+    assert m["itl_ms_median"] == pytest.approx(150.0)
+    assert m["itl_ms_p90"] == pytest.approx(200.0)
+
+
+def test_counts_throughput_and_goodput(exact):
+    requests, steps, memory, meta = exact
+    m = summary_of(requests, steps, meta, memory).metrics
+    assert (m["num_requests"], m["num_completed"], m["num_rejected"], m["num_unfinished"]) == (4, 3, 1, 0)
+    assert m["benchmark_duration_s"] == pytest.approx(0.6)  # first arrival 0.0, last finish 0.6
+    assert m["requests_per_s"] == pytest.approx(3 / 0.6)
+    assert m["output_tokens_per_s"] == pytest.approx((4 + 4 + 1) / 0.6)  # every sample's tokens
+    assert m["total_tokens_per_s"] == pytest.approx((9 + 10 + 20 + 5) / 0.6)
+    # SLO ttft 160 ms, tpot 150 ms: r0 passes, r1 fails TTFT, r2 passes (no TPOT)
+    assert m["goodput_requests_per_s"] == pytest.approx(2 / 0.6)
+    assert m["slo_attained_fraction"] == pytest.approx(2 / 3)
+    assert m["num_cached_prompt_tokens"] == 8
+
+
+def test_kv_metrics(exact):
+    requests, steps, memory, meta = exact
+    m = summary_of(requests, steps, meta, memory).metrics
+    # durations 0.1 0.2 0.1 0.2 weight the means
+    assert m["peak_num_running"] == 3
+    assert m["mean_num_running"] == pytest.approx((0.1 * 1 + 0.2 * 1 + 0.1 * 3 + 0.2 * 2) / 0.6)
+    assert m["kv_peak_allocated_bytes"] == 5000
+    assert m["kv_mean_allocated_bytes"] == pytest.approx((200 + 200 + 500 + 800) / 0.6)
+    assert m["kv_mean_token_bytes"] == pytest.approx((100 + 100 + 300 + 600) / 0.6)
+    assert m["kv_peak_utilization"] == pytest.approx(0.5)
+    # token * dt = 1100, (allocated + external) * dt = 1800
+    assert m["kv_token_fraction_mean"] == pytest.approx(1100 / 1800)
+    assert m["kv_token_fraction_at_peak"] == pytest.approx(3000 / 6000)
+    assert m["kv_reserved_unused_bytes_at_peak"] == 1000
+    assert m["kv_external_frag_bytes_mean"] == pytest.approx(100 / 0.6)
+    assert m["prefix_hit_rate"] == pytest.approx(8 / 35)
+    assert m["kv_sharing_saved_fraction"] == pytest.approx(1 - 44 / 64)
+    assert (m["num_preemptions"], m["num_recomputed_tokens"], m["num_evicted_blocks"]) == (1, 6, 1)
+    assert (m["bytes_to_host"], m["bytes_from_host"], m["kv_peak_host_bytes"]) == (4096, 2048, 4096)
+
+
+def test_decode_roofline(exact):
+    requests, steps, memory, meta = exact
+    m = summary_of(requests, steps, meta, memory).metrics
+    # decode-only steps 1 and 3: (2e6 + 500) and (2e6 + 3000) bytes at 20 GB/s, both 0.2 s long
+    roofline_s = np.array([2_000_500, 2_003_000]) / 20e9
+    assert m["decode_roofline_ms_mean"] == pytest.approx(roofline_s.mean() * 1e3)
+    assert m["decode_step_ms_mean"] == pytest.approx(200.0)
+    assert m["decode_roofline_fraction_mean"] == pytest.approx((roofline_s / 0.2).mean())
+    assert m["decode_achieved_gbps"] == pytest.approx(4_003_500 / 0.4 / 1e9)
+
+
+def test_roofline_missing_is_nan_with_reason(exact):
+    requests, steps, memory, meta = exact
+    s = summary_of(requests, steps, {**meta, "weight_bytes": None}, memory)
+    assert math.isnan(s.metrics["decode_roofline_fraction_mean"])
+    assert "weight_bytes" in s.missing["decode_roofline_fraction_mean"]
+    prefill_only = steps.assign(num_prefill_tokens=5)
+    s = summary_of(requests, prefill_only, meta, memory)
+    assert "no decode-only steps" in s.missing["decode_roofline_ms_mean"]
+
+
+def test_memory_peaks_and_reasons(exact):
+    requests, steps, memory, meta = exact
+    s = summary_of(requests, steps, meta, memory)
+    assert s.metrics["mem_peak_rss_bytes"] == 1.5e8
+    assert math.isnan(s.metrics["mem_peak_nvml_used_bytes"])
+    assert s.missing["mem_peak_nvml_used_bytes"] == meta["missing"]["nvml_used_bytes"]
+    assert s.missing["mem_peak_torch_allocated_bytes"] == "not sampled in this run"
+    assert math.isnan(summary_of(requests, steps, meta, None).metrics["mem_peak_rss_bytes"])
+
+
+def test_every_metric_present_and_every_nan_explained(exact):
+    requests, steps, memory, meta = exact
+    s = summary_of(requests, steps, {**meta, "slo": {}}, memory)
+    assert set(s.metrics) == {doc.name for doc in metrics.METRICS}
+    nan_names = {k for k, v in s.metrics.items() if math.isnan(v)}
+    assert nan_names == set(s.missing)
+    assert "no SLO" in s.missing["goodput_requests_per_s"]
+    assert metrics.summarize(requests, steps, meta, memory) == pytest.approx(
+        summary_of(requests, steps, meta, memory).metrics, nan_ok=True
+    )
+
+
+def test_rejected_only_run_has_no_latencies(exact):
+    requests, steps, memory, meta = exact
+    rejected = requests.assign(rejected_reason="too long", finish_s=math.nan)
+    s = summary_of(rejected, steps.iloc[0:0], meta)
+    assert s.metrics["num_rejected"] == 4
+    assert s.metrics["num_completed"] == 0
+    assert math.isnan(s.metrics["ttft_ms_p99"]) and s.missing["ttft_ms_p99"] == "no completed requests"
+    assert math.isnan(s.metrics["output_tokens_per_s"])
+    assert s.missing["kv_peak_allocated_bytes"] == "the run recorded no engine steps"
+
+
+def test_unfinished_requests_are_counted_not_timed(exact):
+    requests, steps, memory, meta = exact
+    unfinished = requests.assign(finish_s=[0.5, math.nan, 0.45, math.nan])
+    m = summary_of(unfinished, steps, meta).metrics
+    assert (m["num_completed"], m["num_unfinished"], m["num_rejected"]) == (2, 1, 1)
+    assert m["ttft_ms_mean"] == pytest.approx(125.0)
+
+
+def test_per_request_columns_and_no_mutation(exact):
+    requests, *_ = exact
+    before = requests.copy(deep=True)
+    lat = metrics.per_request(requests)
+    pd.testing.assert_frame_equal(requests, before)
+    assert list(lat["request_id"]) == ["r0", "r1", "r2", "r3"]
+    assert lat["ttft_ms"].tolist()[:3] == pytest.approx([100, 200, 150])
+    assert lat["tpot_ms"].iloc[0] == pytest.approx(400 / 3)
+    assert math.isnan(lat["tpot_ms"].iloc[2]) and math.isnan(lat["ttft_ms"].iloc[3])
+    assert lat["itl_ms"].iloc[0] == pytest.approx([100, 100, 200])
+    assert lat["itl_ms"].iloc[3] == []
+
+
+def test_missing_column_names_frame_and_column(exact):
+    requests, steps, memory, meta = exact
+    with pytest.raises(metrics.MetricsError, match=r"requests frame: missing column\(s\) \['finish_s'\]"):
+        metrics.summarize(requests.drop(columns="finish_s"), steps, meta)
+    with pytest.raises(metrics.MetricsError, match="steps frame.*kv_token_bytes"):
+        metrics.summarize(requests, steps.drop(columns="kv_token_bytes"), meta)
+
+
+def test_markdown_table_lists_every_metric():
+    text = metrics.metrics_markdown()
+    for doc in metrics.METRICS:
+        assert f"`{doc.name}`" in text
+    assert len({doc.name for doc in metrics.METRICS}) == len(metrics.METRICS)
+    assert all(doc.better in ("lower", "higher", "") for doc in metrics.METRICS)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 10.0),  # arrival
+            st.floats(0.001, 1.0),  # ttft
+            st.floats(0.001, 0.5),  # constant gap between tokens
+            st.integers(1, 30),  # output tokens
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_constant_gaps_give_equal_tpot_and_itl(specs):
+    rows = []
+    for i, (arrival, ttft, gap, num_out) in enumerate(specs):
+        times = [arrival + ttft + gap * k for k in range(num_out)]
+        rows.append(
+            {
+                "request_id": f"r{i}",
+                "arrival_s": arrival,
+                "first_token_s": times[0],
+                "finish_s": times[-1],
+                "token_times_s": times,
+                "num_prompt_tokens": 8,
+                "num_output_tokens": num_out,
+                "rejected_reason": "",
+            }
+        )
+    lat = metrics.per_request(pd.DataFrame(rows))
+    for (_, ttft, gap, num_out), row in zip(specs, lat.itertuples()):
+        assert row.ttft_ms == pytest.approx(ttft * 1e3, rel=1e-6, abs=1e-6)
+        if num_out > 1:
+            assert row.tpot_ms == pytest.approx(gap * 1e3, rel=1e-6)
+            assert row.itl_ms == pytest.approx([gap * 1e3] * (num_out - 1), rel=1e-6)
+        else:
+            assert math.isnan(row.tpot_ms)
+    m = metrics.summarize(pd.DataFrame(rows), pd.DataFrame(), {})
+    for kind in ("ttft", "e2el"):
+        stats = [m[f"{kind}_ms_{s}"] for s in ("median", "p90", "p99")]
+        assert stats == sorted(stats)

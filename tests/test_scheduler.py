@@ -1,0 +1,293 @@
+"""Scheduler and KV plumbing of the paged engine, without tensors.
+
+A shadow executor stands in for the model: it keeps, for every physical slot, the token
+id whose K/V would be stored there, applies the step's KV ops (copies, swaps) in order,
+and checks before and after each step's writes that every position a chunk attends to
+holds exactly that sequence's token. Prefix sharing, copy-on-write, swap and recompute
+bugs all show up as a wrong token in some slot.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvbench.engines.executor import ExecutionResult
+from kvbench.engines.kv_manager import PagedKVManager
+from kvbench.engines.paged import PagedEngine
+from kvbench.engines.prefix_cache import NullPrefixIndex
+from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+from kvbench.specs import HardwareSpec, ModelSpec
+from kvbench.types import EngineContext, Request
+
+SPEC = ModelSpec()
+
+
+class ShadowExecutor:
+    """Tensor-free executor: tracks which token each KV slot holds and verifies reads."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.device: dict[int, list[int | None]] = {}
+        self.host: dict[int, list[int | None]] = {}
+        self.engine: PagedEngine | None = None
+        self.num_copies = 0
+
+    def describe(self) -> dict:
+        return {"executor": "shadow"}
+
+    def _block(self, block: int) -> list[int | None]:
+        return self.device.setdefault(block, [None] * self.block_size)
+
+    def _verify(self, output: SchedulerOutput) -> None:
+        assert self.engine is not None
+        bs = self.block_size
+        for chunk in output.chunks:
+            seq = self.engine.scheduler._seqs[chunk.seq_id][1]
+            for pos in range(chunk.start_pos):
+                block = chunk.block_table[pos // bs]
+                stored = self._block(block)[pos % bs]
+                assert stored == seq.token_ids[pos], (
+                    f"seq {chunk.seq_id} position {pos}: slot {block}*{bs}+{pos % bs} holds {stored}, "
+                    f"expected {seq.token_ids[pos]}"
+                )
+
+    def execute(self, output: SchedulerOutput) -> ExecutionResult:
+        for op in output.kv_ops:
+            for device_block, host_block in op.swap_out:
+                self.host[host_block] = list(self._block(device_block))
+            for host_block, device_block in op.swap_in:
+                self.device[device_block] = list(self.host[host_block])
+            for src, dst in op.copies:
+                self.device[dst] = list(self._block(src))
+                self.num_copies += 1
+        self._verify(output)
+        bs = self.block_size
+        for chunk in output.chunks:
+            for offset, token in enumerate(chunk.token_ids):
+                pos = chunk.start_pos + offset
+                self._block(chunk.block_table[pos // bs])[pos % bs] = token
+        self._verify(output)  # no chunk clobbered a slot another chunk attends to
+        return ExecutionResult(logits=None, modeled_duration_s=0.0)
+
+
+def make_engine(**params) -> tuple[PagedEngine, ShadowExecutor]:
+    block_size = params.get("block_size", 16)
+    shadow = ShadowExecutor(block_size)
+    ctx = EngineContext(spec=SPEC, hardware=HardwareSpec(), model=None, mode="sim")
+    engine = PagedEngine(ctx, executor=shadow, **params)
+    shadow.engine = engine
+    return engine, shadow
+
+
+def run(engine: PagedEngine, max_steps: int = 5000) -> tuple[dict, dict, list]:
+    finished, rejected, outputs = {}, {}, []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return finished, rejected, outputs
+        out = engine.step()
+        engine.kv.check()
+        outputs.append(out)
+        for f in out.finished:
+            assert f.request_id not in finished and f.request_id not in rejected
+            finished[f.request_id] = f
+        for r in out.rejected:
+            assert r.request_id not in finished and r.request_id not in rejected
+            rejected[r.request_id] = r
+    raise AssertionError(f"engine did not finish in {max_steps} steps")
+
+
+def req(rid: str, prompt, max_new: int, **kw) -> Request:
+    return Request(rid, 0.0, tuple(prompt), max_new, **kw)
+
+
+# --------------------------------------------------------------------------- property test
+request_st = st.builds(
+    lambda prefix, tail, max_new, kind, width, priority: (prefix, tail, max_new, kind, width, priority),
+    st.integers(0, 2),
+    st.lists(st.integers(3, 50), min_size=0, max_size=30),
+    st.integers(1, 10),
+    st.sampled_from(["single", "n", "beam"]),
+    st.integers(2, 3),
+    st.integers(0, 3),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(request_st, min_size=1, max_size=8),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(4, 48),
+    max_num_batched_tokens=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 8),
+    chunked=st.booleans(),
+    prefix_cache=st.sampled_from(["block_hash", "radix", "none"]),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    victim_policy=st.sampled_from(["newest", "priority"]),
+    num_host_blocks=st.integers(0, 24),
+)
+def test_random_workloads_finish_with_consistent_kv(
+    requests,
+    block_size,
+    num_blocks,
+    max_num_batched_tokens,
+    max_num_seqs,
+    chunked,
+    prefix_cache,
+    preemption,
+    victim_policy,
+    num_host_blocks,
+):
+    engine, _ = make_engine(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        chunked_prefill=chunked,
+        prefix_cache=prefix_cache,
+        preemption=preemption,
+        victim_policy=victim_policy,
+        num_host_blocks=num_host_blocks,
+    )
+    prefixes = [[7] * 9, list(range(10, 30)), []]
+    expected = {}
+    for i, (prefix, tail, max_new, kind, width, priority) in enumerate(requests):
+        prompt = prefixes[prefix] + tail or [5]
+        extra = {"n": width} if kind == "n" else {"beam_width": width} if kind == "beam" else {}
+        expected[f"r{i}"] = (max_new, width if kind != "single" else 1)
+        engine.add_request(req(f"r{i}", prompt, max_new, priority=priority, temperature=1.0, **extra))
+    finished, rejected, _ = run(engine)
+    assert set(finished) | set(rejected) == set(expected)
+    for rid, record in finished.items():
+        max_new, num_samples = expected[rid]
+        assert len(record.output_token_ids) == num_samples
+        assert all(len(tokens) == max_new for tokens in record.output_token_ids)
+        assert record.peak_kv_slots <= record.peak_kv_slots_unshared
+    usage = engine.kv.usage()
+    assert usage.num_blocks_in_use == 0 and usage.host_bytes == 0, usage
+
+
+# --------------------------------------------------------------------------- scenarios
+def test_fits_alone_never_rejected_even_with_tiny_pool():
+    # Each request needs ceil((8 + 6 - 1) / 4) = 4 blocks; the pool holds 4: they run one at a time.
+    engine, _ = make_engine(block_size=4, num_blocks=4, max_num_batched_tokens=16)
+    for i in range(3):
+        engine.add_request(req(f"r{i}", range(3 + 10 * i, 11 + 10 * i), 6))
+    finished, rejected, outputs = run(engine)
+    assert not rejected and set(finished) == {"r0", "r1", "r2"}
+    assert sum(o.stats.num_preemptions for o in outputs) > 0
+
+
+def test_rejection_reasons():
+    engine, _ = make_engine(block_size=4, num_blocks=8, max_num_seqs=2, chunked_prefill=False,
+                            max_num_batched_tokens=64)
+    engine.add_request(req("too_long", range(3, 2000), 100))
+    engine.add_request(req("too_big", range(3, 40), 10))  # ceil(48 / 4) = 12 blocks > 8
+    engine.add_request(req("too_many", range(3, 10), 4, n=3))
+    engine.add_request(req("empty", (), 4))
+    engine.add_request(req("no_chunk", range(3, 70), 1))  # 67 > 64 with chunking off
+    engine.add_request(req("ok", range(3, 10), 4))
+    finished, rejected, _ = run(engine)
+    assert set(finished) == {"ok"}
+    assert "exceeds the model's max positions 2048" in rejected["too_long"].reason
+    assert rejected["too_big"].reason == "needs 12 KV blocks of 4 tokens, the whole pool has 8"
+    assert "more than engine.max_num_seqs=2" in rejected["too_many"].reason
+    assert rejected["empty"].reason == "empty prompt"
+    assert "with chunked_prefill off" in rejected["no_chunk"].reason
+
+
+def test_rejected_reported_even_when_nothing_else_runs():
+    engine, _ = make_engine(block_size=4, num_blocks=2)
+    engine.add_request(req("big", range(3, 40), 4))
+    assert engine.has_unfinished()
+    out = engine.step()
+    assert [r.request_id for r in out.rejected] == ["big"]
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("victim_policy", "expected_victim"), [("newest", "c"), ("priority", "b")]
+)
+def test_preemption_victim_order(victim_policy, expected_victim):
+    # Three requests of 8 prompt tokens grow to 8 + 12 - 1 = 19 slots (5 blocks of 4) each;
+    # the 12-block pool holds all three prompts (6 blocks) but not their growth.
+    engine, _ = make_engine(
+        block_size=4, num_blocks=12, max_num_batched_tokens=64, victim_policy=victim_policy
+    )
+    engine.add_request(req("a", range(3, 11), 12, priority=0))
+    engine.add_request(req("b", range(20, 28), 12, priority=5))
+    engine.add_request(req("c", range(40, 48), 12, priority=1))
+    first_victims = None
+    for _ in range(200):
+        out = engine.step()
+        engine.kv.check()
+        if out.stats.num_preemptions and first_victims is None:
+            first_victims = [g.request_id for g in engine.scheduler.waiting]
+        if not engine.has_unfinished():
+            break
+    assert first_victims == [expected_victim]
+
+
+def test_preempted_group_returns_to_front_of_waiting_queue():
+    engine, _ = make_engine(block_size=4, num_blocks=12, max_num_batched_tokens=64, max_num_seqs=2)
+    engine.add_request(req("a", range(3, 11), 12))
+    engine.add_request(req("b", range(20, 28), 12))
+    engine.add_request(req("late", range(40, 48), 12))
+    while True:
+        out = engine.step()
+        if out.stats.num_preemptions:
+            break
+    # "b" (newest running) was preempted and sits ahead of "late", which arrived after it.
+    assert [g.request_id for g in engine.scheduler.waiting] == ["b", "late"]
+    finished, _, _ = run(engine)
+    assert finished["b"].num_preemptions == 1
+    assert finished["b"].num_recomputed_tokens > 0
+
+
+def test_swap_preemption_moves_blocks_to_host_and_back():
+    engine, _ = make_engine(block_size=4, num_blocks=12, max_num_batched_tokens=64, preemption="swap")
+    for i, rid in enumerate("abc"):
+        engine.add_request(req(rid, range(3 + 20 * i, 11 + 20 * i), 12))
+    finished, _, outputs = run(engine)
+    to_host = sum(o.stats.bytes_to_host for o in outputs)
+    from_host = sum(o.stats.bytes_from_host for o in outputs)
+    assert to_host > 0 and to_host == from_host
+    assert to_host % engine.bytes_per_block == 0
+    assert sum(o.stats.num_recomputed_tokens for o in outputs) == 0
+    assert any(o.stats.num_swapped for o in outputs)
+    assert sum(f.num_preemptions for f in finished.values()) == sum(o.stats.num_preemptions for o in outputs)
+
+
+def test_chunked_prefill_respects_token_budget():
+    engine, _ = make_engine(block_size=4, num_blocks=64, max_num_batched_tokens=8)
+    engine.add_request(req("long", range(3, 40), 3))
+    engine.add_request(req("short", range(50, 53), 3))
+    _, _, outputs = run(engine)
+    assert all(o.stats.num_scheduled_tokens <= 8 for o in outputs)
+    # 37 prompt tokens in chunks of at most 8 (the short prompt shares the first steps' budget).
+    assert sum(o.stats.num_prefill_tokens for o in outputs) == 37 + 3
+    assert outputs[0].first_scheduled == ("long",)
+
+
+def test_prefix_cache_hits_counted_in_tokens():
+    engine, _ = make_engine(block_size=4, num_blocks=64)
+    shared = list(range(3, 21))  # 18 tokens: 4 full blocks
+    engine.add_request(req("first", shared + [30, 31], 2))
+    run(engine)
+    engine.add_request(req("second", shared + [40], 2))
+    finished, _, outputs = run(engine)
+    assert finished["second"].num_cached_prompt_tokens == 16
+    assert outputs[0].stats.num_prefix_query_tokens == 19
+    assert outputs[0].stats.num_prefix_hit_tokens == 16
+    assert outputs[0].stats.num_prefill_tokens == 3
+
+
+def test_scheduler_config_errors_name_the_parameter():
+    kv = PagedKVManager(8, 4, 16, NullPrefixIndex())
+    with pytest.raises(ValueError, match=r"^engine.max_num_seqs: must be > 0, got 0$"):
+        Scheduler(kv, SchedulerConfig(max_num_seqs=0), eos_token_id=2)
+    with pytest.raises(ValueError, match=r"^engine.preemption: must be one of"):
+        Scheduler(kv, SchedulerConfig(preemption="drop"), eos_token_id=2)
+    with pytest.raises(ValueError, match=r"^engine.victim_policy: must be one of"):
+        Scheduler(kv, SchedulerConfig(victim_policy="oldest"), eos_token_id=2)

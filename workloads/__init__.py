@@ -1,0 +1,1 @@
+"""Workloads: seeded synthetic generators and recorded-trace replay."""

@@ -1,0 +1,187 @@
+"""Turning parsed trace records into a Workload: window, sample, cap, scale, token ids.
+
+Order of operations (each step counts what it removes or cuts, in ``Workload.counters``):
+
+1. times relative to the first record (or drawn from ``arrival`` for traces without times),
+2. time window ``[start_s, end_s)``           -> ``num_outside_window``
+3. Bernoulli sampling with ``sample_fraction`` -> ``num_sampled_out``
+4. the first ``max_requests``                  -> ``num_over_max_requests``
+5. length scaling, then caps on prompt/output  -> ``num_prompts_truncated`` (+ tokens), ...
+
+Token ids: a Mooncake block is content-addressed by its hash id, so requests that share
+hash-id prefixes share token prefixes exactly; traces with only lengths get random ids
+keyed by the record's line (a record keeps its ids whatever the window or sample).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from kvbench.workloads.distributions import ArrivalProcess, arrival_process
+from kvbench.workloads.errors import WorkloadConfigError
+from kvbench.workloads.tokens import (
+    STREAM_ARRIVALS,
+    STREAM_SAMPLE,
+    STREAM_TOKENS,
+    check_seed,
+    check_vocab_size,
+    derive_rng,
+    keyed_token_ids,
+    random_token_ids,
+)
+from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
+
+from kvbench.types import Request, Workload
+
+_TRUNCATION_COUNTERS = (
+    "num_prompts_truncated",
+    "num_prompt_tokens_truncated",
+    "num_outputs_truncated",
+    "num_output_tokens_truncated",
+)
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How to replay a trace. Times are seconds; ``start_s``/``end_s`` are on the trace's
+    clock counted from its first record; lengths are tokens.
+
+    ``time_scale`` multiplies every gap (0.5 replays twice as fast); ``length_scale``
+    multiplies prompt lengths (for Mooncake the block size becomes
+    ``max(1, round(512 * length_scale))`` so the hash-block structure survives) and
+    ``output_scale`` output lengths; scaled lengths are at least 1.
+    """
+
+    time_scale: float = 1.0
+    time_offset_s: float = 0.0
+    start_s: float = 0.0
+    end_s: float | None = None
+    sample_fraction: float = 1.0
+    max_requests: int | None = None
+    length_scale: float = 1.0
+    output_scale: float = 1.0
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("time_scale", "length_scale", "output_scale"):
+            if not getattr(self, name) > 0:
+                raise WorkloadConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.start_s < 0:
+            raise WorkloadConfigError(f"start_s: must be >= 0, got {self.start_s}")
+        if self.end_s is not None and self.end_s <= self.start_s:
+            raise WorkloadConfigError(f"end_s: must be > start_s={self.start_s}, got {self.end_s}")
+        if not 0 < self.sample_fraction <= 1:
+            raise WorkloadConfigError(f"sample_fraction: must be in (0, 1], got {self.sample_fraction}")
+        for name in ("max_requests", "max_prompt_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise WorkloadConfigError(f"{name}: must be an int >= 1 or null, got {value!r}")
+
+
+def replay(
+    trace: ParsedTrace,
+    options: ReplayOptions,
+    *,
+    vocab_size: int,
+    seed: int = 0,
+    name: str | None = None,
+    arrival: ArrivalProcess | None = None,
+) -> Workload:
+    """The Workload for ``trace`` under ``options``; pure (same inputs, same requests).
+
+    ``arrival`` gives times to traces without timestamps (ShareGPT; default offline) and
+    is ignored otherwise. Raises WorkloadConfigError when nothing is left to replay.
+    """
+    check_vocab_size(vocab_size)
+    check_seed(seed)
+    name = name or trace.format
+    records = trace.records
+    counters: dict[str, int] = {**trace.counters, "num_records": len(records)}
+
+    process = arrival_process(arrival)
+    if trace.has_timestamps:
+        rel_s = np.array([r.timestamp_s for r in records]) - records[0].timestamp_s
+    else:
+        rel_s = process.times(derive_rng(seed, STREAM_ARRIVALS), len(records))
+
+    keep = rel_s >= options.start_s
+    if options.end_s is not None:
+        keep &= rel_s < options.end_s
+    counters["num_outside_window"] = int(np.count_nonzero(~keep))
+    if options.sample_fraction < 1:
+        # Drawn for every record so that a record's fate does not depend on the window.
+        sampled = derive_rng(seed, STREAM_SAMPLE).random(len(records)) < options.sample_fraction
+        counters["num_sampled_out"] = int(np.count_nonzero(keep & ~sampled))
+        keep &= sampled
+    else:
+        counters["num_sampled_out"] = 0
+    indices = np.flatnonzero(keep)
+    counters["num_over_max_requests"] = 0
+    if options.max_requests is not None and len(indices) > options.max_requests:
+        counters["num_over_max_requests"] = len(indices) - options.max_requests
+        indices = indices[: options.max_requests]
+    if len(indices) == 0:
+        raise WorkloadConfigError(
+            f"{trace.path}: no request left after the window, sampling and caps (counters: {counters})"
+        )
+
+    for key in _TRUNCATION_COUNTERS:
+        counters[key] = 0
+    extra_tags = {"kind": "trace", "format": trace.format, **process.request_tags()}
+    requests = []
+    for index in indices:
+        record = records[index]
+        prompt = _prompt_ids(record, options, vocab_size, seed)
+        if options.max_prompt_tokens is not None and len(prompt) > options.max_prompt_tokens:
+            counters["num_prompts_truncated"] += 1
+            counters["num_prompt_tokens_truncated"] += len(prompt) - options.max_prompt_tokens
+            prompt = prompt[: options.max_prompt_tokens]
+        output_len = max(1, round(record.output_length * options.output_scale))
+        if options.max_output_tokens is not None and output_len > options.max_output_tokens:
+            counters["num_outputs_truncated"] += 1
+            counters["num_output_tokens_truncated"] += output_len - options.max_output_tokens
+            output_len = options.max_output_tokens
+        arrival_s = options.time_offset_s + (float(rel_s[index]) - options.start_s) * options.time_scale
+        requests.append(
+            Request(
+                request_id=f"{name}-{index:06d}",
+                arrival_s=arrival_s,
+                prompt_token_ids=tuple(prompt.tolist()),
+                max_new_tokens=output_len,
+                tags={**extra_tags, "line": str(record.line), **record.tags},
+            )
+        )
+    counters["num_requests"] = len(requests)
+    requests.sort(key=lambda r: r.arrival_s)  # stable: file order among equal times
+    return Workload(
+        name=name, requests=tuple(requests), source=f"{trace.format}:{trace.path}", counters=counters
+    )
+
+
+def scaled_block_lengths(record: TraceRecord, length_scale: float) -> np.ndarray:
+    """Tokens per Mooncake hash block after scaling: ``round(512 * scale)`` (>= 1) for full
+    blocks, the scaled remainder (>= 1, <= a block) for the last one."""
+    assert record.hash_ids is not None
+    block_len = max(1, round(MOONCAKE_BLOCK_TOKENS * length_scale))
+    num_blocks = len(record.hash_ids)
+    last_len = record.input_length - MOONCAKE_BLOCK_TOKENS * (num_blocks - 1)
+    lengths = np.full(num_blocks, block_len, dtype=np.int64)  # [num_blocks]
+    lengths[-1] = min(block_len, max(1, round(last_len * length_scale)))
+    return lengths
+
+
+def _prompt_ids(record: TraceRecord, options: ReplayOptions, vocab_size: int, seed: int) -> np.ndarray:
+    """The record's prompt token ids after length scaling (before caps)."""
+    if record.hash_ids is not None:
+        lengths = scaled_block_lengths(record, options.length_scale)
+        keys = np.repeat(np.asarray(record.hash_ids, dtype=np.int64), lengths)  # [num_tokens]
+        starts = np.cumsum(lengths) - lengths
+        offsets = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)  # position inside its block
+        return keyed_token_ids(seed, keys, offsets, vocab_size)
+    length = max(1, round(record.input_length * options.length_scale))
+    if record.prompt_token_ids is not None:
+        # Scaling text-derived prompts keeps their prefix, so shared prefixes stay shared.
+        return np.asarray(record.prompt_token_ids[:length], dtype=np.int64)
+    return random_token_ids(derive_rng(seed, STREAM_TOKENS, record.line), length, vocab_size)

@@ -1,0 +1,133 @@
+"""Seeded token ids: random draws, content-keyed blocks, and text through a tokenizer.
+
+Every random stream is derived from ``(seed, stream, *keys)`` with numpy's SeedSequence,
+so two generators never share state, adding a request never shifts another request's
+tokens, and the same config gives the same ids on any machine. Ids 0-2 are reserved
+specials (pad, bos, eos), so drawn ids lie in ``[FIRST_REGULAR_TOKEN_ID, vocab_size)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from kvbench.workloads.errors import WorkloadConfigError
+
+FIRST_REGULAR_TOKEN_ID = 3
+
+# Stream ids: one per purpose, so that e.g. prompt lengths and arrivals never share draws.
+STREAM_PROMPT_LEN = 1
+STREAM_OUTPUT_LEN = 2
+STREAM_ARRIVALS = 3
+STREAM_TOKENS = 4
+STREAM_HEADER = 5
+STREAM_PASSAGES = 6
+STREAM_CHOICES = 7
+STREAM_TURNS = 8
+STREAM_SAMPLE = 9
+STREAM_PASSKEY = 10
+STREAM_NEXT_LEN = 11
+STREAM_GAPS = 12
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Anything with ``encode(text) -> list[int]`` (a HF ``tokenizers.Tokenizer`` needs a
+    thin wrapper returning ``.ids``)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """Raise WorkloadConfigError unless some regular id exists above the specials."""
+    if not isinstance(vocab_size, int) or vocab_size <= FIRST_REGULAR_TOKEN_ID:
+        raise WorkloadConfigError(
+            f"vocab_size: must be an int > {FIRST_REGULAR_TOKEN_ID} (ids 0-2 are specials), got {vocab_size!r}"
+        )
+
+
+def check_seed(seed: int) -> None:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise WorkloadConfigError(f"seed: must be an int in [0, 2**32), got {seed!r}")
+
+
+def derive_rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
+    """An independent PCG64 generator for ``(seed, stream, *keys)``, all ints in [0, 2**32).
+
+    The key count is part of the entropy because SeedSequence pads short entropy with
+    zeros: without it ``(s, stream)`` and ``(s, stream, 0)`` would be the same stream.
+    """
+    words = [seed, stream, len(keys), *keys]
+    if any(not 0 <= int(w) < 2**32 for w in words):
+        raise WorkloadConfigError(f"seed: derived-stream words must lie in [0, 2**32), got {words}")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
+
+
+def stable_key(text: str) -> int:
+    """A 63-bit key of ``text`` that is the same in every process (unlike ``hash``)."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def random_token_ids(rng: np.random.Generator, num_tokens: int, vocab_size: int) -> np.ndarray:
+    """``num_tokens`` ids drawn uniformly from ``[3, vocab_size)``; advances ``rng``."""
+    # ids: [num_tokens] int64
+    return rng.integers(FIRST_REGULAR_TOKEN_ID, vocab_size, size=num_tokens, dtype=np.int64)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic is intended)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def keyed_token_ids(
+    seed: int, keys: np.ndarray | Sequence[int], offsets: np.ndarray | Sequence[int], vocab_size: int
+) -> np.ndarray:
+    """Ids that depend only on ``(seed, key, offset)``: the content of a keyed block.
+
+    ``keys[i]`` names a block (a Mooncake hash id, a text's stable key) and ``offsets[i]``
+    the position inside it, so two requests holding the same key get identical ids
+    there, whatever else they contain. A counter-based hash (SplitMix64) rather than one
+    RNG per key keeps the 300k blocks of a Mooncake trace fast. Pure; no state.
+    """
+    keys_u = np.asarray(keys, dtype=np.int64).astype(np.uint64)  # [n]
+    offsets_u = np.asarray(offsets, dtype=np.int64).astype(np.uint64)  # [n]
+    golden = np.uint64(_GOLDEN64)
+    # The +1s keep (seed, key, offset) = (0, 0, 0) off the mixer's fixed point at zero.
+    seed_mixed = _mix64(np.array([((seed + 1) * _GOLDEN64) & _MASK64], dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        block_base = _mix64(((keys_u + np.uint64(1)) * golden) ^ seed_mixed)
+        mixed = _mix64(block_base + (offsets_u + np.uint64(1)) * golden)
+    num_regular = np.uint64(vocab_size - FIRST_REGULAR_TOKEN_ID)
+    return (mixed % num_regular).astype(np.int64) + FIRST_REGULAR_TOKEN_ID
+
+
+def tile_to_length(ids: Sequence[int], length: int) -> np.ndarray:
+    """Repeat ``ids`` end to end and cut at ``length`` (a filler or header of exact size)."""
+    if length == 0:
+        return np.zeros(0, dtype=np.int64)
+    if len(ids) == 0:
+        raise WorkloadConfigError("tokenizer: encoded an empty id list for a non-empty text")
+    reps = -(-length // len(ids))
+    return np.tile(np.asarray(ids, dtype=np.int64), reps)[:length]
+
+
+def text_or_random_ids(
+    text: str, length: int, tokenizer: Tokenizer | None, rng: np.random.Generator, vocab_size: int
+) -> np.ndarray:
+    """``length`` ids: ``text`` encoded by ``tokenizer`` and tiled, or random ids without one.
+
+    Used for shared headers (system prompts, tool scaffolds) so that real-tokenizer runs
+    see real text while tokenizer-less runs stay valid for any vocabulary.
+    """
+    if tokenizer is None:
+        return random_token_ids(rng, length, vocab_size)
+    return tile_to_length(tokenizer.encode(text), length)
