@@ -107,11 +107,16 @@ class BlockPool:
             b = self._next[b]
         return out
 
+    @property
+    def reuse_listener(self) -> Callable[[int], None] | None:
+        return self._reuse_listener
+
     # ------------------------------------------------------------------ mutations
     def set_reuse_listener(self, listener: Callable[[int], None] | None) -> None:
         """Called with a block id when ``allocate`` reuses a cached-free block (one listener)."""
         if listener is not None and self._reuse_listener is not None:
             raise ValueError("BlockPool: a reuse listener is already set (one prefix index per pool)")
+        # None clears it (a profiler may then wrap the old one).
         self._reuse_listener = listener
 
     def allocate(self) -> int:
@@ -171,8 +176,7 @@ class BlockPool:
         s = self._soft[block_id]
         if r < s:
             raise ValueError(
-                f"BlockPool.decref: block {block_id} has no hard reference "
-                f"(ref_count={r + 1}, soft={s})"
+                f"BlockPool.decref: block {block_id} has no hard reference (ref_count={r + 1}, soft={s})"
             )
         self._ref[block_id] = r
         if r == 0:
@@ -234,7 +238,9 @@ class BlockPool:
         while b != sentinel:
             assert 0 <= b < n, f"free list holds invalid id {b}"
             assert not seen[b], f"free list cycles through block {b}"
-            assert self._prev[b] == prev, f"free list prev pointer of block {b} is {self._prev[b]}, not {prev}"
+            assert self._prev[b] == prev, (
+                f"free list prev pointer of block {b} is {self._prev[b]}, not {prev}"
+            )
             seen[b] = True
             count += 1
             prev = b

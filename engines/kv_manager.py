@@ -12,7 +12,7 @@ Copy-on-write rule. Each block remembers how many of its leading slots have been
 (``_claimed``): reserved by some sequence's ``allocate``/``append``. A sequence growing into
 slot ``o`` of its partial last block writes in place when nobody else holds the block or
 nobody has claimed slot ``o`` yet; otherwise it copies the block to a fresh one first
-(``KVOps.copies``). So after ``fork`` the first sibling to append writes in place and the
+(``KVOps.copies``). A block registered in the block-hash index counts as held. So after ``fork`` the first sibling to append writes in place and the
 second copies, and a radix match ending mid-block copies only if another sequence
 already wrote past the match.
 
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from kvbench.engines.block_pool import BlockPool
 from kvbench.engines.prefix_cache import PrefixIndex
-
 from kvbench.types import KVUsage
 
 
@@ -388,7 +387,9 @@ class PagedKVManager:
             assert self.host_pool.ref_count(h) == host_refs[h], (
                 f"host block {h}: ref_count={self.host_pool.ref_count(h)}, swapped tables hold {host_refs[h]}"
             )
-        assert in_use == self._num_blocks_in_use, f"num_blocks_in_use={self._num_blocks_in_use}, recount {in_use}"
+        assert in_use == self._num_blocks_in_use, (
+            f"num_blocks_in_use={self._num_blocks_in_use}, recount {in_use}"
+        )
         assert token_slots == self._num_token_slots, (
             f"num_token_slots={self._num_token_slots}, recount {token_slots}"
         )
@@ -409,8 +410,12 @@ class PagedKVManager:
         return need
 
     def _must_copy(self, block: int, offset: int, held: bool) -> bool:
+        # A block the prefix index registered (pool "cached" flag) is read by future hits
+        # without a reference, so it counts as another holder: a fork sibling left alone with
+        # a block its parent filled and registered must not overwrite the parent's tokens.
         other_holders = self.pool.ref_count(block) - (1 if held else 0)
-        return other_holders > 0 and self._claimed[block] > offset
+        shared = other_holders > 0 or self.pool.is_cached(block)
+        return shared and self._claimed[block] > offset
 
     def _grow(self, seq: _Seq, num_new: int) -> KVOps:
         if num_new <= 0:
@@ -449,7 +454,9 @@ class PagedKVManager:
         shortfall = num_blocks - self.pool.num_free
         if shortfall > 0:
             self.prefix_index.evict(shortfall)
-        assert self.pool.num_free >= num_blocks, "prefix index evicted fewer blocks than it reported reclaimable"
+        assert self.pool.num_free >= num_blocks, (
+            "prefix index evicted fewer blocks than it reported reclaimable"
+        )
 
     def _new_block(self) -> int:
         b = self.pool.allocate()

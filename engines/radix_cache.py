@@ -62,13 +62,15 @@ class _Node:
 
 
 class _SeqState:
-    """The node where a sequence's tree prefix ends (None: no prefix yet) and its length."""
+    """The node where a sequence's tree prefix ends (None: no prefix yet), its length, and
+    whether the sequence created that node (only then may it grow the node in place)."""
 
-    __slots__ = ("node", "num_tokens")
+    __slots__ = ("node", "num_tokens", "owns_node")
 
-    def __init__(self, node: _Node | None, num_tokens: int) -> None:
+    def __init__(self, node: _Node | None, num_tokens: int, owns_node: bool = False) -> None:
         self.node = node
         self.num_tokens = num_tokens
+        self.owns_node = owns_node
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -183,11 +185,11 @@ class RadixPrefixIndex:
         old = state.node
         start_node = old if old is not None else self._root(extra_key)
         new_tokens = list(token_ids[pos:end])
-        if old is not None and self._can_extend(old, block_ids):
+        if old is not None and state.owns_node and self._can_extend(old, block_ids):
             self._extend(old, new_tokens, block_ids)
-            target = old
+            target, created = old, True
         else:
-            target = self._insert(start_node, pos, new_tokens, block_ids)
+            target, created = self._insert(start_node, pos, new_tokens, block_ids)
         if target is not old:
             self._lock(target)
             if old is not None:
@@ -195,6 +197,7 @@ class RadixPrefixIndex:
         self._touch_path(target)
         state.node = target
         state.num_tokens = end
+        state.owns_node = created
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:
@@ -267,13 +270,17 @@ class RadixPrefixIndex:
                 num_nodes += 1
                 assert child.alive and child.parent is node, f"node {child.node_id}: broken parent link"
                 assert child.key and child.key[0] == first, f"node {child.node_id}: keyed by wrong token"
-                assert child.start == node.end, f"node {child.node_id}: starts at {child.start}, not {node.end}"
+                assert child.start == node.end, (
+                    f"node {child.node_id}: starts at {child.start}, not {node.end}"
+                )
                 want = (child.end - 1) // bs - child.start // bs + 1
                 assert len(child.block_ids) == want, (
                     f"node {child.node_id}: {len(child.block_ids)} blocks for positions "
                     f"[{child.start}, {child.end}), want {want}"
                 )
-                assert len(set(child.block_ids)) == len(child.block_ids), f"node {child.node_id}: repeated block"
+                assert len(set(child.block_ids)) == len(child.block_ids), (
+                    f"node {child.node_id}: repeated block"
+                )
                 child_locks = visit(child)
                 assert child.lock_count == child_locks, (
                     f"node {child.node_id}: lock_count={child.lock_count}, live sequences below: {child_locks}"
@@ -354,10 +361,13 @@ class RadixPrefixIndex:
         self._num_nodes += 1
         return upper
 
-    def _insert(self, node: _Node, pos: int, tokens: list[int], block_ids: Sequence[int]) -> _Node:
+    def _insert(
+        self, node: _Node, pos: int, tokens: list[int], block_ids: Sequence[int]
+    ) -> tuple[_Node, bool]:
         """Walk/extend the tree below ``node`` (which ends at ``pos``) with ``tokens``;
-        returns the node ending exactly at ``pos + len(tokens)``. Existing nodes win
-        (de-duplication): the sequence's own blocks are referenced only for new nodes."""
+        returns the node ending exactly at ``pos + len(tokens)`` and whether it is new.
+        Existing nodes win (de-duplication): the sequence's own blocks are referenced only
+        for the new leaf."""
         pool = self._bound_pool()
         bs = self._block_size
         i = 0
@@ -373,17 +383,18 @@ class RadixPrefixIndex:
                     pool.soften(b)  # unlocked until the caller locks it
                 node.children[tokens[i]] = leaf
                 self._num_nodes += 1
-                return leaf
+                return leaf, True
             c = _common_prefix_len(child.key, tokens[i : i + len(child.key)])
             if c < len(child.key):
                 child = self._split(child, c)
             i += c
             node = child
-        return node
+        return node, False
 
     def _can_extend(self, node: _Node, block_ids: Sequence[int]) -> bool:
-        # A leaf locked by exactly one sequence (the caller) is private to it: growing it in
-        # place keeps decode commits O(new tokens) instead of adding a node per token.
+        # A leaf the caller created and alone locks is private to it: growing it in place
+        # keeps decode commits O(new tokens) instead of adding a node per token. (A cached
+        # leaf someone else created gets a child instead, keeping LRU granularity.)
         if node.children or node.lock_count != 1:
             return False
         end = node.end

@@ -53,7 +53,9 @@ class CostModelExecutor:
     def from_context(cls, ctx: EngineContext, *, block_size: int) -> CostModelExecutor:
         """Cost model of ``ctx.spec`` on ``ctx.hardware``: KV in ``ctx.kv_dtype``, weights in
         ``ctx.spec.dtype`` (an FP8 checkpoint is ``model.dtype=fp8``)."""
-        return cls(CostModel.for_dtypes(ctx.spec, ctx.hardware, ctx.kv_dtype, ctx.spec.dtype), block_size=block_size)
+        return cls(
+            CostModel.for_dtypes(ctx.spec, ctx.hardware, ctx.kv_dtype, ctx.spec.dtype), block_size=block_size
+        )
 
     def shape(self, output: SchedulerOutput) -> StepShape:
         """The step's composition: decode chunks by context length, prefill chunks by
@@ -126,18 +128,29 @@ def simulated_engine(
     engine: Callable[..., Engine],
     block_size: int = 16,
     num_blocks: int | None = None,
+    kv_memory_bytes: int | None = None,
     gpu_memory_utilization: float = 0.9,
     activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES,
     name: str | None = None,
+    **params: Any,
 ) -> Engine:
-    """Build ``engine(ctx, block_size=, num_blocks=, executor=)`` for simulation mode.
+    """Build ``engine(ctx, block_size=, num_blocks=, executor=, **params)`` for simulation mode.
 
     ``engine`` is a partial of an engine class built on the shared scheduler (Hydra:
-    ``engine: {_target_: kvbench.engines.paged.PagedEngine, _partial_: true, ...}``).
-    Raises ValueError when ``ctx.mode`` is not "sim" (a real run must not be modeled).
+    ``engine: {_target_: kvbench.engines.paged.PagedEngine, _partial_: true}``); every
+    other parameter of that engine passes through ``params``. The pool is ``num_blocks``
+    if given, else ``kv_memory_bytes // bytes_per_block`` if given, else sized from
+    ``ctx.hardware`` (``sim_setup``). Raises ValueError when ``ctx.mode`` is not "sim"
+    (a real run must not be modeled) or a size is not positive.
     """
     if ctx.mode != "sim":
         raise ValueError(f"engine: the simulated engine needs run.mode=sim, got {ctx.mode!r}")
+    if num_blocks is None and kv_memory_bytes is not None:
+        if kv_memory_bytes <= 0:
+            raise ValueError(f"engine.kv_memory_bytes: must be > 0 (or null), got {kv_memory_bytes}")
+        num_blocks = kv_memory_bytes // kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)
+        if num_blocks == 0:
+            raise ValueError(f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no KV block")
     num_blocks, executor = sim_setup(
         ctx,
         block_size=block_size,
@@ -145,7 +158,7 @@ def simulated_engine(
         gpu_memory_utilization=gpu_memory_utilization,
         activation_reserve_bytes=activation_reserve_bytes,
     )
-    built = engine(ctx, block_size=block_size, num_blocks=num_blocks, executor=executor)
+    built = engine(ctx, block_size=block_size, num_blocks=num_blocks, executor=executor, **params)
     if name is not None:
         built.name = name
     return built

@@ -166,14 +166,16 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
     step_rows: list[dict[str, Any]] = []
     bar = _Progress(len(pending), progress, workload.name)
     num_done = num_tokens = idle_steps = 0
+    limit = workload.max_concurrency
     try:
         while pending or engine.has_unfinished():
             now = clock.now()
-            while pending and pending[0].arrival_s <= now:
+            while pending and pending[0].arrival_s <= now and (limit is None or len(logs) - num_done < limit):
                 request = pending.popleft()
                 logs[request.request_id] = _RequestLog(
                     request.request_id,
-                    request.arrival_s,
+                    # Closed loop: the request arrives when it is submitted.
+                    request.arrival_s if limit is None else max(request.arrival_s, now),
                     request.num_prompt_tokens,
                     max(request.n, request.beam_width),
                     dict(request.tags),

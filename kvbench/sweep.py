@@ -90,7 +90,7 @@ class SweepFinalizer(Callback):
         print(f"kvbench: sweep table {table}")
         num_failed = 0
         for run_json in sweep_dir.glob("*/run.json"):
-            if json.loads(run_json.read_text()).get("status") == "failed":
+            if json.loads(run_json.read_text())["meta"].get("status") == "failed":
                 num_failed += 1
         if config.run.report:
             from kvbench.report import build_report

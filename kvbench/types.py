@@ -57,6 +57,9 @@ class Workload:
     requests: tuple[Request, ...]
     source: str = "synthetic"
     counters: Mapping[str, int] = field(default_factory=dict)
+    # Closed loop: at most this many requests in flight; the runner submits the next
+    # waiting request (its arrival becomes the submit time) when one finishes.
+    max_concurrency: int | None = None
 
 
 # --------------------------------------------------------------------------- engines

@@ -12,7 +12,7 @@ status=0
 echo "== gpu-marked tests"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" || status=1
 echo "== GPU benchmarks (paged vs contiguous decode attention, achieved HBM bandwidth)"
-timeout 90 python3 -m pytest -q tests/benchmarks -m gpu -o python_files='bench_*.py' --benchmark-enable \
+timeout 90 python3 -m pytest -q tests/benchmarks -m gpu -o python_files='bench_*.py' --benchmark-only \
   --benchmark-json="$out/gpu_bench.json" -s 2>&1 | tee "$out/gpu_bench.txt" || status=1
 echo "== short GPU sweep"
 timeout 90 kvbench sweep +experiment=gqa_vs_mha run.device=cuda run.dtype=bf16 engine=paged \

@@ -126,6 +126,20 @@ def test_fork_then_divergent_append_copies_the_shared_partial_block_once():
     m.check()
 
 
+def test_sibling_left_alone_copies_a_block_its_parent_filled_and_registered():
+    m = make()
+    prefill(m, 0, [1, 2, 3, 4, 5, 6])
+    m.fork(0, 1)
+    m.append(0, 2)  # parent fills block 1 in place ...
+    m.commit(0, [1, 2, 3, 4, 5, 6, 7, 8])  # ... and registers it
+    m.free(0)
+    assert m.pool.ref_count(1) == 1 and m.pool.is_cached(1)
+    # The child is now the only holder, but overwriting slot 2 would corrupt the cache.
+    assert m.append(1, 1) == KVOps(copies=((1, 2),))
+    assert m.num_cached_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9], None) == 8
+    m.check()
+
+
 def test_beam_search_fork_and_free_of_dropped_beams_leaks_nothing():
     m = make(index=NullPrefixIndex())
     prefill(m, 0, [1, 2, 3])
@@ -266,7 +280,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def _resident(self) -> list[int]:
         return [s for s in self.tokens if not self.m.is_swapped(s)]
 
-    @rule(stem=st.sampled_from(PROMPT_STEMS), tail=st.lists(st.integers(1, 3), max_size=6), chunk=st.integers(1, 9))
+    @rule(
+        stem=st.sampled_from(PROMPT_STEMS),
+        tail=st.lists(st.integers(1, 3), max_size=6),
+        chunk=st.integers(1, 9),
+    )
     def allocate(self, stem, tail, chunk):
         prompt = stem + tail
         seq = self.next_id
@@ -291,22 +309,35 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(1, 5), token=st.integers(1, 3))
     def append(self, data, n, token):
         candidates = self._resident()
-        if not candidates:
-            return
-        seq = data.draw(st.sampled_from(candidates))
-        done = self.written[seq]
-        if done < len(self.tokens[seq]):
-            n = min(n, len(self.tokens[seq]) - done)  # next prefill chunk
-        else:
-            n = 1  # decode one token
-        if not self.m.can_append(seq, n):
-            with pytest.raises(KVCapacityError):
-                self.m.append(seq, n)
-            return
-        self._apply(self.m.append(seq, n))
-        if done + n > len(self.tokens[seq]):
-            self.tokens[seq].append(token)
-        self._write(seq, done, done + n)
+        if candidates:
+            self._step([data.draw(st.sampled_from(candidates))], n, [token])
+
+    @precondition(lambda self: self.tokens)
+    @rule(n=st.integers(1, 5), tokens=st.lists(st.integers(1, 3), min_size=8, max_size=8))
+    def step(self, n, tokens):
+        # One engine iteration: every resident sequence gets a prefill chunk or a decode token.
+        self._step(self._resident(), n, tokens * 4)
+
+    def _step(self, seqs: list[int], n: int, tokens: list[int]) -> None:
+        """Scheduler phase (append every sequence), then the executor applies all ops, then
+        the forward pass writes every new token: ops must be valid before any write."""
+        writes = []
+        ops = []
+        for seq, token in zip(seqs, tokens):
+            done = self.written[seq]
+            grow = min(n, len(self.tokens[seq]) - done) if done < len(self.tokens[seq]) else 1
+            if not self.m.can_append(seq, grow):
+                with pytest.raises(KVCapacityError):
+                    self.m.append(seq, grow)
+                continue
+            ops.append(self.m.append(seq, grow))
+            if done + grow > len(self.tokens[seq]):
+                self.tokens[seq].append(token)  # decode: the sampled token
+            writes.append((seq, done, done + grow))
+        for op in ops:
+            self._apply(op)
+        for seq, start, end in writes:
+            self._write(seq, start, end)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -354,7 +385,9 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"seq {seq} position {p}: slot {slot} holds the wrong token"
                 )
         usage = self.m.usage()
-        assert usage.num_blocks_free + usage.num_blocks_in_use + usage.num_blocks_cached_free == self.NUM_BLOCKS
+        assert (
+            usage.num_blocks_free + usage.num_blocks_in_use + usage.num_blocks_cached_free == self.NUM_BLOCKS
+        )
 
     def teardown(self):
         for seq in sorted(self.tokens):

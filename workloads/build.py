@@ -43,4 +43,18 @@ def draw_lengths(
 def sorted_workload(name: str, requests: Iterable[Request], counters: Mapping[str, int]) -> Workload:
     """A synthetic Workload with requests stably sorted by arrival (ties keep build order)."""
     ordered = sorted(requests, key=lambda r: r.arrival_s)
-    return Workload(name=name, requests=tuple(ordered), source="synthetic", counters=dict(counters))
+    return Workload(
+        name=name,
+        requests=tuple(ordered),
+        source="synthetic",
+        counters=dict(counters),
+        max_concurrency=closed_loop_limit(ordered),
+    )
+
+
+def closed_loop_limit(requests: Iterable[Request]) -> int | None:
+    """The closed-loop concurrency that ClosedLoopArrivals tagged every request with, or None."""
+    limits = {r.tags.get("max_concurrency") for r in requests}
+    if len(limits) == 1 and None not in limits:
+        return int(limits.pop())
+    return None

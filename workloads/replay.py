@@ -32,6 +32,7 @@ from kvbench.workloads.tokens import (
 )
 from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
 
+from kvbench.workloads.build import closed_loop_limit
 from kvbench.types import Request, Workload
 
 _TRUNCATION_COUNTERS = (
@@ -156,7 +157,11 @@ def replay(
     counters["num_requests"] = len(requests)
     requests.sort(key=lambda r: r.arrival_s)  # stable: file order among equal times
     return Workload(
-        name=name, requests=tuple(requests), source=f"{trace.format}:{trace.path}", counters=counters
+        name=name,
+        requests=tuple(requests),
+        source=f"{trace.format}:{trace.path}",
+        counters=counters,
+        max_concurrency=closed_loop_limit(requests),
     )
 
 

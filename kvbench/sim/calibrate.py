@@ -8,10 +8,11 @@ step's composition. The cost model (kvbench.sim.cost_model) predicts::
                               + per_seq_overhead_s * seqs
 
 with ``a = 1 / (bandwidth * memory_efficiency)`` and ``b = 1 / (peak * mfu)``. The ``max``
-makes the fit piecewise linear, so it alternates two steps until the split is stable:
-label every step memory- or compute-bound with the current ``a, b``, then solve a
+makes the fit piecewise linear: given which steps are memory-bound, the rest is a
 non-negative least-squares problem in which each step keeps only its dominant roofline
-column. Residuals are relative (each row divided by its measured time) so that short
+column. Every split the model can produce is a threshold on memory_bytes / flops, so the
+fit tries the base profile's threshold and 33 quantiles of that ratio, keeps the best,
+and then alternates (relabel with the fitted ``a, b``; refit) while the error falls. Residuals are relative (each row divided by its measured time) so that short
 decode steps weigh as much as long prefills. PCIe bandwidth is a published figure and is
 not fitted: modeled transfer time is subtracted first.
 
@@ -103,12 +104,16 @@ def shape_from_step(row: Mapping[str, Any], kv_bytes_per_token: int) -> StepShap
     # One chunk per prefilling sequence, each starting at 0 and of equal length, unless
     # the engine recorded the exact figures.
     per_chunk = prefill / prefill_seqs if prefill_seqs else 0
-    pairs = _int_column(row, "num_prefill_attention_pairs", round(prefill_seqs * per_chunk * (per_chunk + 1) / 2))
+    pairs = _int_column(
+        row, "num_prefill_attention_pairs", round(prefill_seqs * per_chunk * (per_chunk + 1) / 2)
+    )
     prefill_context = _int_column(row, "num_prefill_context_tokens", prefill)
     held = _int_column(row, "kv_token_bytes", 0) // kv_bytes_per_token
     decode_context = _int_column(row, "num_decode_context_tokens", max(decode, held - prefill_context))
     host = _int_column(row, "bytes_to_host", 0) + _int_column(row, "bytes_from_host", 0)
-    return StepShape(prefill, prefill_seqs, pairs, prefill_context, decode, decode_context if decode else 0, host)
+    return StepShape(
+        prefill, prefill_seqs, pairs, prefill_context, decode, decode_context if decode else 0, host
+    )
 
 
 def nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -153,7 +158,12 @@ def fit(
     base.validate()
     rows: list[tuple[float, float, int, int, float]] = []  # memory_bytes, flops, tokens, seqs, target_s
     for run in runs:
-        model = CostModel(base_spec_check(run), base, kv_bytes_per_token=run.kv_bytes_per_token, weight_bytes=run.weight_bytes)
+        model = CostModel(
+            base_spec_check(run),
+            base,
+            kv_bytes_per_token=run.kv_bytes_per_token,
+            weight_bytes=run.weight_bytes,
+        )
         if "duration_s" not in run.steps:
             raise CalibrationError(f"run {run.run_id}: steps column 'duration_s' is missing")
         for row in run.steps.to_dict("records"):
@@ -162,61 +172,98 @@ def fit(
             target = duration - model.transfer_s(features.host_bytes)
             if not duration >= MIN_DURATION_S or target <= 0:
                 continue
-            rows.append((features.memory_bytes, features.flops, features.num_tokens, features.num_seqs, target))
+            rows.append(
+                (features.memory_bytes, features.flops, features.num_tokens, features.num_seqs, target)
+            )
     if not rows:
         raise CalibrationError("no usable steps to fit (every step had zero or unknown duration)")
-    data = np.array(rows, dtype=np.float64)
-    memory, flops, tokens, seqs, target = data.T
-    has_tokens = tokens > 0
-    weight = 1.0 / target  # relative residuals
-    s_per_byte = 1.0 / (base.hbm_bandwidth_gbps * 1e9 * base.memory_efficiency)
-    s_per_flop = 1.0 / (base.bf16_tflops * 1e12 * base.mfu)
-    free = {"memory": True, "compute": True}
-    notes: list[str] = []
-    memory_bound = (memory * s_per_byte >= flops * s_per_flop) & has_tokens
-    overheads = np.zeros(3)
+    problem = _Problem(np.array(rows, dtype=np.float64), base)
+    # A step is memory-bound iff memory/flops >= s_per_flop/s_per_byte: every labelling
+    # the fit can reach is a threshold on that ratio. Start from the base profile's
+    # threshold and from quantiles of the ratio, keep the best, then alternate.
+    ratio = problem.memory / np.maximum(problem.flops, 1e-300)
+    thresholds = {problem.base_s_per_flop / problem.base_s_per_byte, np.inf, 0.0}
+    thresholds.update(np.quantile(ratio[problem.has_tokens], np.linspace(0.0, 1.0, 33)).tolist())
+    best = min((problem.solve(ratio >= t) for t in sorted(thresholds)), key=lambda s: s.residual)
     for _ in range(max_iterations):
-        compute_bound = ~memory_bound & has_tokens
-        columns = [memory * memory_bound, flops * compute_bound, has_tokens | ~has_tokens, tokens, seqs]
-        fixed = np.zeros_like(target)
-        if not free["memory"]:
-            fixed += memory * memory_bound * s_per_byte
-        if not free["compute"]:
-            fixed += flops * compute_bound * s_per_flop
-        matrix = np.column_stack(columns).astype(np.float64)
-        keep = [free["memory"], free["compute"], True, True, True]
-        solution = np.zeros(5)
-        solution[keep] = nnls(matrix[:, keep] * weight[:, None], (target - fixed) * weight)
-        changed = False
-        for index, term in ((0, "memory"), (1, "compute")):
-            if free[term] and solution[index] <= 0:
-                free[term] = False  # not identifiable from these steps: keep base
-                notes.append(f"{term} term not identifiable from these steps: kept the base profile's value")
-                changed = True
-        if changed:
-            continue
-        if free["memory"]:
-            s_per_byte = float(solution[0])
-        if free["compute"]:
-            s_per_flop = float(solution[1])
-        overheads = solution[2:]
-        new_bound = (memory * s_per_byte >= flops * s_per_flop) & has_tokens
-        if np.array_equal(new_bound, memory_bound):
+        labels = problem.labels(best.s_per_byte, best.s_per_flop)
+        if np.array_equal(labels, best.memory_bound):
             break
-        memory_bound = new_bound
-    hardware, raised = _to_hardware(base, name, s_per_byte, s_per_flop, overheads)
-    notes.extend(raised)
-    predicted = np.maximum(memory * s_per_byte, flops * s_per_flop) * has_tokens
-    predicted = predicted + overheads[0] + overheads[1] * tokens + overheads[2] * seqs
-    error = float(np.mean(np.abs(predicted - target) / target))
+        candidate = problem.solve(labels)
+        if candidate.residual >= best.residual:
+            break
+        best = candidate
+    hardware, raised = _to_hardware(base, name, best.s_per_byte, best.s_per_flop, best.overheads)
+    # Reported error is that of the simulator, which takes the max of the two terms.
+    predicted = problem.predict(
+        dataclasses.replace(best, memory_bound=problem.labels(best.s_per_byte, best.s_per_flop))
+    )
+    target = problem.target
     return CalibrationFit(
         hardware=hardware,
         num_steps=len(target),
-        num_memory_bound=int(memory_bound.sum()),
-        num_compute_bound=int((~memory_bound & has_tokens).sum()),
-        mean_abs_rel_error=error,
-        notes=tuple(dict.fromkeys(notes)),
+        num_memory_bound=int(best.memory_bound.sum()),
+        num_compute_bound=int((~best.memory_bound & problem.has_tokens).sum()),
+        mean_abs_rel_error=float(np.mean(np.abs(predicted - target) / target)),
+        notes=(*best.notes, *raised),
     )
+
+
+@dataclass(frozen=True)
+class _Solution:
+    memory_bound: np.ndarray  # bool per step
+    s_per_byte: float
+    s_per_flop: float
+    overheads: np.ndarray  # step, per token, per seq (seconds)
+    residual: float  # sum of squared relative errors
+    notes: tuple[str, ...]
+
+
+class _Problem:
+    """The fit's data: per step memory bytes, FLOPs, tokens, sequences and target seconds."""
+
+    def __init__(self, data: np.ndarray, base: HardwareSpec) -> None:
+        self.memory, self.flops, self.tokens, self.seqs, self.target = data.T
+        self.has_tokens = self.tokens > 0
+        self.weight = 1.0 / self.target  # relative residuals
+        self.base_s_per_byte = 1.0 / (base.hbm_bandwidth_gbps * 1e9 * base.memory_efficiency)
+        self.base_s_per_flop = 1.0 / (base.bf16_tflops * 1e12 * base.mfu)
+
+    def labels(self, s_per_byte: float, s_per_flop: float) -> np.ndarray:
+        return (self.memory * s_per_byte >= self.flops * s_per_flop) & self.has_tokens
+
+    def solve(self, memory_bound: np.ndarray) -> _Solution:
+        """NNLS with each step's dominant roofline column; an unidentifiable term keeps base."""
+        memory_bound = memory_bound & self.has_tokens
+        compute_bound = ~memory_bound & self.has_tokens
+        roofline = {"memory": self.memory * memory_bound, "compute": self.flops * compute_bound}
+        base = {"memory": self.base_s_per_byte, "compute": self.base_s_per_flop}
+        free = {"memory": True, "compute": True}
+        notes: list[str] = []
+        while True:
+            fixed = sum((roofline[t] * base[t] for t in free if not free[t]), np.zeros_like(self.target))
+            columns = [roofline[t] for t in free if free[t]]
+            columns += [np.ones_like(self.target), self.tokens, self.seqs]
+            matrix = np.column_stack(columns) * self.weight[:, None]
+            solution = nnls(matrix, (self.target - fixed) * self.weight)
+            coefficient = dict(zip([t for t in free if free[t]], solution))
+            dropped = [t for t, c in coefficient.items() if c <= 0]
+            if not dropped:
+                break
+            for term in dropped:
+                free[term] = False
+                notes.append(f"{term} term not identifiable from these steps: kept the base profile's value")
+        s_per_byte = coefficient.get("memory", base["memory"])
+        s_per_flop = coefficient.get("compute", base["compute"])
+        result = _Solution(memory_bound, s_per_byte, s_per_flop, solution[-3:], 0.0, tuple(notes))
+        residual = float(np.sum(((self.predict(result) - self.target) * self.weight) ** 2))
+        return dataclasses.replace(result, residual=residual)
+
+    def predict(self, s: _Solution) -> np.ndarray:
+        """Modeled seconds under the solution's labelling (what the solve minimised)."""
+        roofline = np.where(s.memory_bound, self.memory * s.s_per_byte, self.flops * s.s_per_flop)
+        step, per_token, per_seq = s.overheads
+        return roofline * self.has_tokens + step + per_token * self.tokens + per_seq * self.seqs
 
 
 def base_spec_check(run: CalibrationRun) -> ModelSpec:
@@ -236,7 +283,9 @@ def _to_hardware(
     bandwidth_gbps, efficiency = base.hbm_bandwidth_gbps, 1.0 / (s_per_byte * base.hbm_bandwidth_gbps * 1e9)
     if efficiency > 1.0:
         bandwidth_gbps, efficiency = 1.0 / (s_per_byte * 1e9), 1.0
-        notes.append(f"fitted bandwidth exceeds the nominal one: hbm_bandwidth_gbps raised to {bandwidth_gbps:.4g}")
+        notes.append(
+            f"fitted bandwidth exceeds the nominal one: hbm_bandwidth_gbps raised to {bandwidth_gbps:.4g}"
+        )
     tflops, mfu = base.bf16_tflops, 1.0 / (s_per_flop * base.bf16_tflops * 1e12)
     if mfu > 1.0:
         tflops, mfu = 1.0 / (s_per_flop * 1e12), 1.0
@@ -273,7 +322,9 @@ def runs_from_results(results: Any) -> tuple[list[CalibrationRun], HardwareSpec]
         raise CalibrationError("no successful real-mode runs (run.mode=real) in these results")
     hardware_names = sorted(set(selected.get("hardware.name", pd.Series(["?"])).astype(str)))
     if len(hardware_names) > 1:
-        raise CalibrationError(f"runs measured with different hardware profiles {hardware_names}: calibrate one at a time")
+        raise CalibrationError(
+            f"runs measured with different hardware profiles {hardware_names}: calibrate one at a time"
+        )
     model_fields = [f.name for f in dataclasses.fields(ModelSpec)]
     hardware_fields = [f.name for f in dataclasses.fields(HardwareSpec)]
     calibration_runs = []
@@ -285,7 +336,9 @@ def runs_from_results(results: Any) -> tuple[list[CalibrationRun], HardwareSpec]
                 raise CalibrationError(f"run {run_id}: meta field {column!r} is missing")
         spec = ModelSpec(**{f: _plain(row[f"model.{f}"]) for f in model_fields if f"model.{f}" in row})
         if base is None:
-            base = HardwareSpec(**{f: _plain(row[f"hardware.{f}"]) for f in hardware_fields if f"hardware.{f}" in row})
+            base = HardwareSpec(
+                **{f: _plain(row[f"hardware.{f}"]) for f in hardware_fields if f"hardware.{f}" in row}
+            )
         steps = results.steps[results.steps["run_id"] == run_id]
         calibration_runs.append(
             CalibrationRun(run_id, steps, spec, int(row["kv_bytes_per_token"]), int(row["weight_bytes"]))
@@ -331,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("results_dir", help="a run or sweep directory of real-mode results")
     parser.add_argument("--name", default="calibrated", help="profile name (default: calibrated)")
-    parser.add_argument("--out", default=None, help="output YAML (default: conf/hardware/NAME.yaml in kvbench.conf)")
+    parser.add_argument(
+        "--out", default=None, help="output YAML (default: conf/hardware/NAME.yaml in kvbench.conf)"
+    )
     args = parser.parse_args(argv)
     from kvbench.results import ResultsError, load
 

@@ -86,7 +86,9 @@ class StepShape:
         num_tokens = num_seqs = pairs = context = 0
         for start, n in prefill_chunks:
             if start < 0 or n <= 0:
-                raise ValueError(f"prefill chunk (start={start}, num_tokens={n}): need start >= 0, num_tokens > 0")
+                raise ValueError(
+                    f"prefill chunk (start={start}, num_tokens={n}): need start >= 0, num_tokens > 0"
+                )
             num_tokens += n
             num_seqs += 1
             pairs += n * start + n * (n + 1) // 2
@@ -114,7 +116,7 @@ class StepCost:
 
     @property
     def bound(self) -> str:
-        """"memory" or "compute": the roofline term that set the forward time."""
+        """ "memory" or "compute": the roofline term that set the forward time."""
         return "memory" if self.memory_s >= self.compute_s else "compute"
 
 
@@ -159,7 +161,8 @@ class CostModel:
         expert_params = 0
         if spec.num_experts > 1:
             expert_params = min(
-                total_params, spec.num_layers * 3 * spec.hidden_size * spec.intermediate_size * spec.num_experts
+                total_params,
+                spec.num_layers * 3 * spec.hidden_size * spec.intermediate_size * spec.num_experts,
             )
         self._expert_share = expert_params / total_params
         self._expert_route_share = spec.num_experts_per_token / spec.num_experts
@@ -176,7 +179,9 @@ class CostModel:
         self.s_per_host_byte = 1.0 / (hardware.pcie_gbps * 1e9)
 
     @classmethod
-    def for_dtypes(cls, spec: ModelSpec, hardware: HardwareSpec, kv_dtype: str, weight_dtype: str) -> CostModel:
+    def for_dtypes(
+        cls, spec: ModelSpec, hardware: HardwareSpec, kv_dtype: str, weight_dtype: str
+    ) -> CostModel:
         """A cost model whose byte sizes come from kvbench.sizing for these dtypes."""
         return cls(
             spec,
@@ -211,7 +216,9 @@ class CostModel:
         transfer_s = f.host_bytes * self.s_per_host_byte
         if f.num_tokens == 0:
             return StepCost(0.0, 0.0, hw.step_overhead_s, transfer_s)
-        overhead_s = hw.step_overhead_s + hw.per_token_overhead_s * f.num_tokens + hw.per_seq_overhead_s * f.num_seqs
+        overhead_s = (
+            hw.step_overhead_s + hw.per_token_overhead_s * f.num_tokens + hw.per_seq_overhead_s * f.num_seqs
+        )
         return StepCost(f.memory_bytes * self.s_per_byte, f.flops * self.s_per_flop, overhead_s, transfer_s)
 
     def duration_s(self, shape: StepShape) -> float:
@@ -239,5 +246,7 @@ class CostModel:
         kv_tokens = ctx + num_seqs
         memory_s = (self.weight_bytes_read(num_seqs) + kv_tokens * self.kv_bytes_per_token) * self.s_per_byte
         compute_s = (self.flops_per_token * num_seqs + self.flops_per_attention_pair * ctx) * self.s_per_flop
-        overhead_s = hw.step_overhead_s + hw.per_token_overhead_s * num_seqs + hw.per_seq_overhead_s * num_seqs
+        overhead_s = (
+            hw.step_overhead_s + hw.per_token_overhead_s * num_seqs + hw.per_seq_overhead_s * num_seqs
+        )
         return np.maximum(memory_s, compute_s) + overhead_s

@@ -1,0 +1,123 @@
+"""The `kvbench` command end to end: help, size, validation errors, run, sweep, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+SMALL = ["workload.num_requests=3", "workload.prompt_len=24", "workload.output_len=4", "run.warmup=false"]
+
+
+def kvbench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_help_lists_every_subcommand(tmp_path: Path) -> None:
+    out = kvbench("--help", cwd=tmp_path)
+    assert out.returncode == 0
+    for command in ("run", "sweep", "size", "report", "compare", "trace", "calibrate"):
+        assert f"  {command}" in out.stdout
+    for command in ("run", "sweep", "size", "report", "compare", "trace"):
+        sub = kvbench(command, "--help", cwd=tmp_path)
+        assert sub.returncode == 0, (command, sub.stderr)
+        assert "usage" in sub.stdout.lower(), command
+
+
+def test_unknown_command_fails(tmp_path: Path) -> None:
+    out = kvbench("frobnicate", cwd=tmp_path)
+    assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr
+
+
+def test_size_json_is_exact_for_llama3_70b(tmp_path: Path) -> None:
+    out = kvbench("size", "model=llama-3-70b", "seq_len=8192", "batch=32", "hardware=h200-141gb", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["kv_bytes_per_token"] == 327_680
+    assert report["kv_bytes_per_sequence"] == 2_684_354_560
+    assert report["kv_bytes_per_batch"] == 32 * 2_684_354_560
+
+
+def test_size_table_names_the_model(tmp_path: Path) -> None:
+    out = kvbench("size", "model=mistral-7b", "seq_len=4096", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "mistral-7b" in out.stdout and "131,072" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("+foo=1", "foo"),
+        ("+model.foo=1", "model.foo"),
+        ("model.num_layers=abc", "model.num_layers"),
+        ("model=no-such-model", "model/no-such-model"),
+        ("model.num_kv_heads=3", "model.num_kv_heads"),
+        ("engine=paged engine.block_size=12", "engine.block_size"),
+        ("+engine.foo=1", "engine.foo"),
+        ("workload.num_requests=-5", "workload.num_requests"),
+        ("workload.prompt_len=-3", "workload.prompt_len"),
+        ("run.mode=fast", "run.mode"),
+        ("slo.ttft_ms=-1", "slo.ttft_ms"),
+    ],
+)
+def test_invalid_config_exits_nonzero_naming_the_key(override: str, named: str, tmp_path: Path) -> None:
+    out = kvbench("run", *override.split(), "run.warmup=false", cwd=tmp_path)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert named in text, text
+    assert len(text.strip().splitlines()) <= 25, "the error must fit on one screen"
+    assert "Traceback" not in text
+
+
+def test_size_rejects_bad_block_size(tmp_path: Path) -> None:
+    out = kvbench("size", "block_size=24", cwd=tmp_path)
+    assert out.returncode == 2 and "block_size" in out.stderr
+
+
+def test_run_writes_results_without_changing_directory_and_resumes(tmp_path: Path) -> None:
+    out = kvbench("run", "model=tiny-mqa", *SMALL, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"], "nothing but results/ may appear in cwd"
+    (run_dir,) = (tmp_path / "results" / "single").iterdir()
+    assert run_dir.name.startswith("model=tiny-mqa")
+    for name in ("requests.parquet", "steps.parquet", "run.json", "config.yaml"):
+        assert (run_dir / name).exists(), name
+    record = json.loads((run_dir / "run.json").read_text())["meta"]
+    assert record["status"] == "ok"
+    assert record["environment"]["torch_version"]
+    requests = pd.read_parquet(run_dir / "requests.parquet")
+    assert list(requests["num_output_tokens"]) == [4, 4, 4]
+    again = kvbench("run", "model=tiny-mqa", *SMALL, cwd=tmp_path)
+    assert again.returncode == 0 and "already complete" in again.stdout
+
+
+def test_gqa_vs_mha_sweep_compares_kv_heads(tmp_path: Path) -> None:
+    out = kvbench("sweep", "+experiment=gqa_vs_mha", *SMALL, "run.report=false", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    sweep = tmp_path / "results" / "gqa_vs_mha"
+    runs = pd.read_parquet(sweep / "runs.parquet").set_index("model.name")
+    assert sorted(runs.index) == ["tiny-gqa", "tiny-mha", "tiny-mqa"]
+    per_token = runs["kv_bytes_per_token"]
+    assert per_token["tiny-mha"] == 4 * per_token["tiny-gqa"] == 8 * per_token["tiny-mqa"]
+    assert runs.loc["tiny-mha", "kv_peak_allocated_bytes"] > runs.loc["tiny-mqa", "kv_peak_allocated_bytes"]
+    assert (runs["output_tokens_per_s"] > 0).all()
+
+
+def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    out = kvbench(
+        "sweep", "engine=dense", "engine.max_num_seqs=0,2", *SMALL, "run.sweep_name=partial", "run.report=false",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    statuses = sorted(
+        json.loads(p.read_text())["meta"]["status"] for p in (tmp_path / "results" / "partial").glob("*/run.json")
+    )
+    assert statuses == ["failed", "ok"]

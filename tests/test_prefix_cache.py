@@ -1,0 +1,149 @@
+"""Prefix indexes: the protocol, the null index and the block-hash index (and hit rates vs radix)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.engines.block_pool import BlockPool
+from kvbench.engines.kv_manager import PagedKVManager
+from kvbench.engines.prefix_cache import NO_MATCH, BlockHashPrefixIndex, NullPrefixIndex, PrefixIndex
+from kvbench.engines.radix_cache import RadixPrefixIndex
+
+BS = 4
+
+
+def bound(index, num_blocks=8):
+    pool = BlockPool(num_blocks)
+    index.bind(pool, BS)
+    return pool, index
+
+
+@pytest.mark.parametrize("cls", [NullPrefixIndex, BlockHashPrefixIndex, RadixPrefixIndex])
+def test_every_index_implements_the_protocol(cls):
+    assert isinstance(cls(), PrefixIndex)
+
+
+def test_null_index_never_matches_and_keeps_nothing():
+    m = PagedKVManager(4, BS, 1, NullPrefixIndex())
+    tokens = list(range(9))
+    m.allocate(0, tokens, 9, None)
+    m.commit(0, tokens)
+    m.free(0)
+    assert m.num_cached_tokens(tokens, None) == 0
+    assert m.usage().num_blocks_cached_free == 0 and m.pool.num_cached_free == 0
+    assert m.prefix_index.evict(4) == 0
+    m.check()
+
+
+def test_hash_index_registers_only_full_blocks_and_chains_them():
+    pool, index = bound(BlockHashPrefixIndex())
+    blocks = pool.allocate_many(3)
+    index.acquire(0, NO_MATCH)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    index.commit(0, tokens, blocks, None)
+    assert index.num_cached_blocks == 2
+    assert [pool.is_cached(b) for b in blocks] == [True, True, False]
+    match = index.match(tokens, None)
+    assert (match.num_tokens, match.block_ids, match.num_blocks_taken) == (8, (0, 1), 0)
+    # The second block's tokens behind a different first block do not match (chained key).
+    assert index.match([9, 9, 9, 9, 5, 6, 7, 8, 1], None) == NO_MATCH
+    # Only the first block matches when the query diverges inside the second.
+    assert index.match([1, 2, 3, 4, 5, 6, 0, 8, 1], None).num_tokens == 4
+    index.check()
+
+
+def test_hash_index_match_counts_revived_blocks_and_is_pure():
+    pool, index = bound(BlockHashPrefixIndex())
+    blocks = pool.allocate_many(2)
+    index.acquire(0, NO_MATCH)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    index.commit(0, tokens, blocks, None)
+    index.release(0)
+    pool.free_many(reversed(blocks))
+    before = pool.free_blocks()
+    match = index.match(tokens, None)
+    assert match.num_blocks_taken == 2
+    assert pool.free_blocks() == before  # no LRU change
+    index.check()
+
+
+def test_hash_index_keeps_the_first_block_for_a_duplicate_key():
+    pool, index = bound(BlockHashPrefixIndex())
+    first, second = pool.allocate(), pool.allocate()
+    index.acquire(0, NO_MATCH)
+    index.acquire(1, NO_MATCH)
+    index.commit(0, [1, 2, 3, 4], [first], None)
+    index.commit(1, [1, 2, 3, 4], [second], None)
+    assert index.match([1, 2, 3, 4, 5], None).block_ids == (first,)
+    assert not pool.is_cached(second)
+    index.check()
+
+
+def test_hash_index_forgets_a_block_when_the_pool_reuses_it():
+    pool, index = bound(BlockHashPrefixIndex(), num_blocks=1)
+    b = pool.allocate()
+    index.acquire(0, NO_MATCH)
+    index.commit(0, [1, 2, 3, 4], [b], None)
+    index.release(0)
+    pool.decref(b)
+    assert index.match([1, 2, 3, 4, 5], None).num_tokens == 4
+    assert pool.allocate() == b  # reuse evicts the entry
+    assert index.match([1, 2, 3, 4, 5], None) == NO_MATCH
+    assert index.num_evicted_blocks == 1 and index.num_cached_blocks == 0
+    index.check()
+
+
+def test_hash_index_misuse():
+    index = BlockHashPrefixIndex()
+    with pytest.raises(ValueError, match="not bound"):
+        index.match([1, 2], None)
+    pool, index = bound(index)
+    with pytest.raises(KeyError, match="unknown seq 3"):
+        index.commit(3, [1], [0], None)
+    index.acquire(0, NO_MATCH)
+    with pytest.raises(ValueError, match="commits 8 tokens but its block table has only 1 blocks"):
+        index.commit(0, list(range(8)), [0], None)
+    with pytest.raises(ValueError, match="already tracked"):
+        index.fork(0, 0)
+
+
+def test_hash_index_check_detects_a_stale_cached_flag():
+    pool, index = bound(BlockHashPrefixIndex())
+    pool.set_cached(3, True)
+    with pytest.raises(AssertionError, match="block 3: pool cached flag True disagrees"):
+        index.check()
+
+
+token_lists = st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=14), min_size=1, max_size=6)
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=150, deadline=None)
+@given(committed=token_lists, query=st.lists(st.integers(1, 3), min_size=1, max_size=14))
+def test_hit_counts_equal_the_longest_cached_prefix(committed, query):
+    """Without eviction, radix hits the longest common prefix with any committed sequence
+    (capped at len - 1) and the hash index the same rounded down to whole blocks."""
+    hits = {}
+    for name, cls in (("hash", BlockHashPrefixIndex), ("radix", RadixPrefixIndex)):
+        m = PagedKVManager(64, BS, 1, cls())
+        for seq, tokens in enumerate(committed):
+            cached = m.num_cached_tokens(tokens, None)
+            m.allocate(seq, tokens, len(tokens) - cached, None)
+            m.commit(seq, tokens)
+        for seq in range(len(committed)):
+            m.free(seq)
+        m.check()
+        hits[name] = m.num_cached_tokens(query, None)
+    best = min(len(query) - 1, max(_lcp(query, t) for t in committed))
+    assert hits["radix"] == best
+    assert hits["hash"] == best // BS * BS

@@ -1,0 +1,164 @@
+"""Simulation mode end to end: the paged engine driven by the cost-model executor.
+
+Block counts per step must be exactly those of the real engine with the same pool (the
+scheduler and KV manager are the same code); latency must follow a calibrated profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvbench.engines.paged import PagedEngine
+from kvbench.engines.sim_executor import CostModelExecutor, sim_setup, simulated_engine
+from kvbench.metrics import per_request
+from kvbench.model import LlamaModel
+from kvbench.runner import RawRun, SimClock, WallClock, replay
+from kvbench.sim.calibrate import CalibrationRun, fit
+from kvbench.sim.cost_model import CostModel, StepShape
+from kvbench.sizing import kv_bytes_per_token, weight_bytes
+from kvbench.specs import HardwareSpec, ModelSpec, SpecError
+from kvbench.types import EngineContext, Workload
+from kvbench.workloads.prefixes import chat
+from kvbench.workloads.synthetic import random_requests
+
+SPEC = ModelSpec()  # tiny-gqa, fp32
+BLOCK_COLUMNS = (
+    "num_running",
+    "num_waiting",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_preemptions",
+    "num_prefix_hit_tokens",
+    "kv_num_blocks_in_use",
+    "kv_num_blocks_cached_free",
+    "kv_num_blocks_free",
+    "kv_token_bytes",
+)
+
+
+def offline(workload: Workload) -> Workload:
+    """Every request at t=0, so the step sequence does not depend on the clock."""
+    return Workload(workload.name, tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests))
+
+
+def sim_engine(hardware: HardwareSpec, **params: object) -> PagedEngine:
+    ctx = EngineContext(SPEC, hardware, None, "cpu", "fp32", 0, "sim")
+    return PagedEngine(ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), **params)
+
+
+def run_sim(workload: Workload, hardware: HardwareSpec, **params: object) -> RawRun:
+    return replay(sim_engine(hardware, **params), workload, SimClock())
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> LlamaModel:
+    torch.manual_seed(0)
+    return LlamaModel.random(SPEC, 0)
+
+
+@pytest.mark.parametrize("prefix_cache", ["block_hash", "radix"])
+def test_sim_allocates_exactly_the_blocks_of_the_real_engine(tiny_model, prefix_cache):
+    # A shared system prompt (prefix hits) and a pool small enough to preempt.
+    workload = offline(
+        chat(
+            num_conversations=4,
+            num_turns=2,
+            system_prompt_len=48,
+            user_len=24,
+            output_len={"kind": "uniform", "low": 8, "high": 20},
+            vocab_size=SPEC.vocab_size,
+            seed=3,
+        )
+    )
+    params = {"num_blocks": 16, "max_num_seqs": 6, "max_num_batched_tokens": 96, "prefix_cache": prefix_cache}
+    ctx = EngineContext(SPEC, HardwareSpec(), tiny_model, "cpu", "fp32", 0, "real")
+    real = replay(PagedEngine(ctx, **params), workload, WallClock())
+    sim = run_sim(workload, HardwareSpec(), **params)
+    assert real.num_steps == sim.num_steps
+    assert real.steps["num_preemptions"].sum() > 0  # the small pool really preempted
+    assert real.steps["num_prefix_hit_tokens"].sum() > 0
+    for column in BLOCK_COLUMNS:
+        assert real.steps[column].tolist() == sim.steps[column].tolist(), column
+    assert sorted(real.outputs) == sorted(sim.outputs)
+
+
+def test_sim_steps_take_the_cost_models_time():
+    hw = HardwareSpec(step_overhead_s=1e-3, per_seq_overhead_s=1e-4)
+    workload = offline(random_requests(6, 40, 5, vocab_size=SPEC.vocab_size, seed=1))
+    engine = sim_engine(hw, num_blocks=64, max_num_batched_tokens=64)
+    raw = replay(engine, workload, SimClock())
+    cm = CostModel.for_dtypes(SPEC, hw, "fp32", "fp32")
+    first = raw.steps.iloc[0]
+    # Step 0 is one 64-token chunk of the first prompt (40 tokens) and 24 of the second.
+    expected = cm.duration_s(StepShape.build(prefill_chunks=[(0, 40), (0, 24)]))
+    assert first["num_prefill_tokens"] == 64
+    assert first["duration_s"] == pytest.approx(expected, rel=1e-12)
+    assert raw.duration_s == pytest.approx(engine.executor.total_modeled_s, rel=1e-12)
+    assert engine.executor.num_steps == raw.num_steps
+    assert engine.describe()["executor"] == "cost_model"
+
+
+def test_calibrated_simulation_predicts_latency_of_an_unseen_workload():
+    """Ground truth is an engine timed by a known profile with exact step shapes; the fit
+    only sees its steps frame (approximate composition), then predicts another workload."""
+    truth = HardwareSpec(
+        name="truth",
+        hbm_bandwidth_gbps=20.0,
+        memory_efficiency=0.5,
+        bf16_tflops=0.2,
+        mfu=0.4,
+        step_overhead_s=2e-3,
+        per_token_overhead_s=20e-6,
+        per_seq_overhead_s=150e-6,
+    )
+    params = {"num_blocks": 256, "max_num_seqs": 16}
+
+    def workload(seed: int, num: int, prompt: int, output: int, rate: float) -> Workload:
+        return random_requests(
+            num,
+            {"kind": "uniform", "low": prompt // 2, "high": prompt},
+            {"kind": "uniform", "low": output // 2, "high": output},
+            {"kind": "poisson", "rate_per_s": rate},
+            vocab_size=SPEC.vocab_size,
+            seed=seed,
+        )
+
+    train = [workload(1, 24, 256, 48, 20.0), workload(2, 24, 64, 64, 40.0)]
+    runs = [
+        CalibrationRun(str(i), run_sim(w, truth, **params).steps, SPEC, kv_bytes_per_token(SPEC, "fp32"), weight_bytes(SPEC, "fp32"))
+        for i, w in enumerate(train)
+    ]
+    fitted = fit(runs, HardwareSpec(), "fitted").hardware
+    unseen = workload(4, 32, 160, 48, 15.0)
+    expected = per_request(run_sim(unseen, truth, **params).requests)
+    predicted = per_request(run_sim(unseen, fitted, **params).requests)
+    assert predicted["ttft_ms"].mean() == pytest.approx(expected["ttft_ms"].mean(), rel=0.15)
+    assert predicted["tpot_ms"].mean() == pytest.approx(expected["tpot_ms"].mean(), rel=0.10)
+
+
+def test_sim_setup_sizes_the_pool_like_a_real_engine(capsys):
+    spec = ModelSpec(
+        name="llama-3-70b-fp8", num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128,
+        hidden_size=8192, intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192, dtype="fp8",
+    )  # fmt: skip
+    h100 = HardwareSpec(name="h100-80gb", memory_bytes=80 * 1024**3, hbm_bandwidth_gbps=3350.0, bf16_tflops=989.0)
+    ctx = EngineContext(spec, h100, None, "cpu", "bf16", 0, "sim")
+    num_blocks, executor = sim_setup(ctx, block_size=16, num_blocks=None)
+    assert num_blocks == 1083  # (0.9 x 80 GiB - 70.55 GB fp8 weights - 1 GiB) // 5 MiB blocks
+    assert executor.bytes_per_block == 16 * 327_680
+    assert "1,083 blocks x 16 tokens" in capsys.readouterr().out
+    assert sim_setup(ctx, block_size=16, num_blocks=7, log=None)[0] == 7
+    with pytest.raises(SpecError, match="does not fit"):
+        sim_setup(dataclasses.replace(ctx, spec=dataclasses.replace(spec, dtype="bf16")), block_size=16, num_blocks=None)
+
+
+def test_simulated_engine_builds_a_paged_engine_only_in_sim_mode():
+    ctx = EngineContext(SPEC, HardwareSpec(), None, "cpu", "fp32", 0, "sim")
+    engine = simulated_engine(ctx, engine=PagedEngine, num_blocks=32, name="paged-sim")
+    assert engine.name == "paged-sim" and engine.num_blocks == 32
+    assert isinstance(engine.executor, CostModelExecutor)
+    with pytest.raises(ValueError, match="run.mode=sim"):
+        simulated_engine(dataclasses.replace(ctx, mode="real"), engine=PagedEngine)
