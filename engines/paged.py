@@ -92,6 +92,7 @@ class PagedEngine:
         num_host_blocks: int = 0,
         decode_backend: str = "auto",
         executor: Executor | None = None,
+        kv_manager: PagedKVManager | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"engine.block_size: must be a power of two, got {block_size}")
@@ -132,7 +133,9 @@ class PagedEngine:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.prefix_cache = prefix_cache
-        self.kv = PagedKVManager(
+        # Variants (slab, H2O, offload) pass their own manager with the same interface;
+        # its pool must match num_blocks / block_size so the executor's tensors fit it.
+        self.kv = kv_manager or PagedKVManager(
             num_blocks, block_size, self.bytes_per_token, PREFIX_INDEXES[prefix_cache](), num_host_blocks
         )
         self.scheduler = Scheduler(self.kv, config, spec.eos_token_id)

@@ -246,6 +246,11 @@ class Scheduler:
             )
         if num_samples > cfg.max_num_seqs:
             return f"needs {num_samples} sequences, more than engine.max_num_seqs={cfg.max_num_seqs}"
+        if request.beam_width > cfg.max_num_batched_tokens:
+            return (
+                f"beam_width {request.beam_width} beams decode in lockstep, more tokens than "
+                f"engine.max_num_batched_tokens={cfg.max_num_batched_tokens} per step"
+            )
         if not cfg.chunked_prefill and request.num_prompt_tokens > cfg.max_num_batched_tokens:
             return (
                 f"prompt {request.num_prompt_tokens} tokens exceeds engine.max_num_batched_tokens="

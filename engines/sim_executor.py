@@ -77,6 +77,25 @@ class CostModelExecutor:
         self.total_modeled_s += duration_s
         return ExecutionResult(logits=None, modeled_duration_s=duration_s)
 
+    def decode_run_s(self, output: SchedulerOutput, num_steps: int) -> list[float]:
+        """Durations of ``output`` and the ``num_steps - 1`` decode steps that repeat it.
+
+        The fast-forward hook: when the scheduler knows the batch stays the same (no
+        arrival, finish or new block) for ``num_steps`` steps, each sequence grows by
+        one token per step and the engine can take every step's time from one call.
+        Mutates the running totals as if ``execute`` had been called ``num_steps``
+        times. Raises ValueError unless ``output`` is decode-only with no KV ops.
+        """
+        if not output.chunks or not all(chunk.is_decode for chunk in output.chunks):
+            raise ValueError("decode run: the step must be decode-only")
+        if any(op.copies or op.swap_in or op.swap_out for op in output.kv_ops):
+            raise ValueError("decode run: the step has KV copies or swaps, which are not repeated")
+        context = sum(chunk.start_pos + 1 for chunk in output.chunks)
+        durations = self.cost_model.decode_run_s(len(output.chunks), context, num_steps).tolist()
+        self.num_steps += num_steps
+        self.total_modeled_s += sum(durations)
+        return durations
+
     def describe(self) -> dict[str, Any]:
         hw = self.cost_model.hardware
         return {

@@ -21,7 +21,7 @@ commands:
   report    HTML report of a results folder:  kvbench report results/gqa_vs_mha
   compare   compare two result sets:          kvbench compare BASELINE CANDIDATE --fail-on tpot_ms_p99:+10%
   trace     inspect a trace file:             kvbench trace inspect FILE [--json]
-  calibrate fit simulation coefficients:      kvbench calibrate RESULTS_DIR hardware_name=my-cpu
+  calibrate fit simulation coefficients:      kvbench calibrate RESULTS_DIR --name my-cpu
 
 `kvbench <command> --help` explains each command.
 """

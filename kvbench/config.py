@@ -16,10 +16,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kvbench.quality import QualityConfig
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError, dtype_bits
 
 
-def schema_of(spec_cls: type) -> type:
+def schema_of(spec_cls: type, extra: tuple[tuple[str, type, Any], ...] = ()) -> type:
     """A mutable dataclass with ``spec_cls``'s fields, types and defaults.
 
     The specs are frozen (records must not change after construction), but OmegaConf
@@ -27,12 +28,16 @@ def schema_of(spec_cls: type) -> type:
     config schema is derived from the spec instead of being written twice.
     """
     hints = get_type_hints(spec_cls)
-    fields = [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(spec_cls)]
+    fields = [(name, kind, field(default=default)) for name, kind, default in extra]
+    fields += [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(spec_cls)]
     return dataclasses.make_dataclass(f"{spec_cls.__name__}Schema", fields)
 
 
 ModelSchema = schema_of(ModelSpec)
 HardwareSchema = schema_of(HardwareSpec)
+# `quality.enabled=true` adds the lossy-cache quality harness to a real-mode run; the
+# other keys are kvbench.quality.QualityConfig's.
+QualitySchema = schema_of(QualityConfig, extra=(("enabled", bool, False),))
 
 
 class ConfigError(ValueError):
@@ -77,6 +82,7 @@ class Config:
     seed: int = 0
     run: RunOptions = field(default_factory=RunOptions)
     slo: SLO = field(default_factory=SLO)
+    quality: Any = field(default_factory=QualitySchema)
     experiment: str = ""
 
 
@@ -145,6 +151,15 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(
                 f"{section}: missing; choose a preset, e.g. {section}=<name> (see conf/{section}/)"
             )
+    if merged.quality.enabled:
+        if merged.run.mode != "real":
+            raise ConfigError("quality.enabled: the quality harness runs the real model (run.mode=real)")
+        options = {k: v for k, v in OmegaConf.to_container(merged.quality).items() if k != "enabled"}
+        options["passkey_depths"] = tuple(options["passkey_depths"])
+        try:
+            QualityConfig(**options).validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
         value = merged.slo[key]
         if value is not None and value <= 0:

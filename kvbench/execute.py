@@ -111,8 +111,18 @@ def build_engine(factory: Any, ctx: EngineContext, target: object) -> Engine:
         raise error from None
 
 
-def build_workload(cfg: DictConfig) -> Workload:
-    workload = instantiate_plugin(cfg.workload, "workload")
+def load_tokenizer_for(spec: ModelSpec) -> Any | None:
+    """The model's tokenizer when it has one (the SmolLM2 preset), else None."""
+    if spec.weights == "smollm2":
+        from kvbench.tokenizer import load_tokenizer
+
+        return load_tokenizer("smollm2")
+    return None
+
+
+def build_workload(cfg: DictConfig, tokenizer: Any | None = None) -> Workload:
+    extra = {"tokenizer": tokenizer} if tokenizer is not None else {}
+    workload = instantiate_plugin(cfg.workload, "workload", **extra)
     if not isinstance(workload, Workload):
         raise ConfigError(f"workload: {cfg.workload._target_} returned {type(workload).__name__}, not a Workload")
     return workload
@@ -167,7 +177,8 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     torch.manual_seed(cfg.seed)
-    workload = build_workload(cfg)
+    tokenizer = None if cfg.run.mode == "sim" else load_tokenizer_for(spec)
+    workload = build_workload(cfg, tokenizer)
     sim = cfg.run.mode == "sim"
     model = None if sim else load_model(spec, cfg)
     ctx = EngineContext(spec, hardware, model, cfg.run.device, kv_dtype, cfg.seed, cfg.run.mode)
@@ -196,4 +207,33 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     meta.update(engine.describe())  # kv_bytes_per_token, kv_pool_bytes, block_size, ...
     summary = summarize_run(raw.requests, raw.steps, meta, memory)
     meta["missing"] = {**meta["missing"], **summary.missing}
-    return summary.metrics, raw, memory
+    metrics = dict(summary.metrics)
+    if cfg.quality.enabled:
+        metrics.update(measure_quality(cfg, model, engine, tokenizer))
+    return metrics, raw, memory
+
+
+def measure_quality(cfg: DictConfig, model: LlamaModel, engine: Engine, tokenizer: Any | None) -> dict[str, Any]:
+    """Run the quality harness with the engine's single-sequence KV policy.
+
+    Lossy engines expose ``sequence_backend_factory()``; a lossless engine is measured
+    with the full cache (perfect scores by construction, the baseline row of a sweep).
+    Text: the shipped public-domain passage through the model's tokenizer, or seeded
+    random ids for tokenizer-less random-weight models (passkey needs a tokenizer).
+    """
+    from kvbench.quality import FullCacheBackend, QualityConfig, evaluate_quality, load_quality_text
+
+    options = {k: v for k, v in OmegaConf.to_container(cfg.quality).items() if k != "enabled"}
+    options["passkey_depths"] = tuple(options["passkey_depths"]) if tokenizer is not None else ()
+    config = QualityConfig(**options)
+    spec = model.spec
+    limit = min(config.num_text_tokens or spec.max_position_embeddings, spec.max_position_embeddings)
+    if tokenizer is not None:
+        token_ids = [spec.bos_token_id, *tokenizer.encode(load_quality_text())][:limit]
+    else:
+        generator = torch.Generator().manual_seed(cfg.seed)
+        token_ids = torch.randint(3, spec.vocab_size, (limit,), generator=generator).tolist()
+    factory = getattr(engine, "sequence_backend_factory", None)
+    backend_factory = factory() if callable(factory) else FullCacheBackend
+    report = evaluate_quality(model, backend_factory, token_ids, tokenizer, config, name=engine.name)
+    return {k: v for k, v in report.to_dict().items() if k != "quality_backend"}

@@ -286,7 +286,7 @@ PASSKEY_INTRO = (
     "Find it and memorize it. I will quiz you about the important information there."
 )
 PASSKEY_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PASSKEY_NEEDLE = " The pass key is {passkey}. Remember it. {passkey} is the pass key."
+PASSKEY_NEEDLE = " The pass key is {passkey}. Remember it."
 PASSKEY_QUESTION = " What is the pass key? The pass key is"
 
 

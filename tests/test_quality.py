@@ -85,6 +85,15 @@ class RecentWindowBackend:
         return self.kv_tokens_resident() * BYTES_PER_TOKEN
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny matmuls: extra threads only spin on a shared 2-core machine (20x slower under load)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
     return LlamaModel.random(TINY, seed=3)

@@ -230,19 +230,29 @@ def test_preemption_victim_order(victim_policy, expected_victim):
 
 
 def test_preempted_group_returns_to_front_of_waiting_queue():
-    engine, _ = make_engine(block_size=4, num_blocks=12, max_num_batched_tokens=64, max_num_seqs=2)
+    # "a" and "b" (5 blocks each at their peak) do not both fit in 9 blocks; "late" waits
+    # behind them because max_num_seqs is 2.
+    engine, _ = make_engine(
+        block_size=4, num_blocks=9, max_num_batched_tokens=64, max_num_seqs=2, prefix_cache="none"
+    )
     engine.add_request(req("a", range(3, 11), 12))
     engine.add_request(req("b", range(20, 28), 12))
     engine.add_request(req("late", range(40, 48), 12))
-    while True:
+    for _ in range(100):
         out = engine.step()
         if out.stats.num_preemptions:
             break
+    else:
+        raise AssertionError("no preemption happened")
     # "b" (newest running) was preempted and sits ahead of "late", which arrived after it.
     assert [g.request_id for g in engine.scheduler.waiting] == ["b", "late"]
-    finished, _, _ = run(engine)
+    # Without a prefix cache everything "b" had computed is computed again.
+    lost = engine.scheduler.waiting[0].seqs[0].num_lost_tokens
+    assert lost >= 8
+    finished, _, outputs = run(engine)
     assert finished["b"].num_preemptions == 1
-    assert finished["b"].num_recomputed_tokens > 0
+    assert finished["b"].num_recomputed_tokens == lost
+    assert sum(o.stats.num_recomputed_tokens for o in outputs) == lost
 
 
 def test_swap_preemption_moves_blocks_to_host_and_back():

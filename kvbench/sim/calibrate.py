@@ -194,16 +194,15 @@ def fit(
             break
         best = candidate
     hardware, raised = _to_hardware(base, name, best.s_per_byte, best.s_per_flop, best.overheads)
-    # Reported error is that of the simulator, which takes the max of the two terms.
-    predicted = problem.predict(
-        dataclasses.replace(best, memory_bound=problem.labels(best.s_per_byte, best.s_per_flop))
-    )
+    # Report what the simulator will do: it labels each step by the max of the two terms.
+    final = dataclasses.replace(best, memory_bound=problem.labels(best.s_per_byte, best.s_per_flop))
+    predicted = problem.predict(final)
     target = problem.target
     return CalibrationFit(
         hardware=hardware,
         num_steps=len(target),
-        num_memory_bound=int(best.memory_bound.sum()),
-        num_compute_bound=int((~best.memory_bound & problem.has_tokens).sum()),
+        num_memory_bound=int(final.memory_bound.sum()),
+        num_compute_bound=int((~final.memory_bound & problem.has_tokens).sum()),
         mean_abs_rel_error=float(np.mean(np.abs(predicted - target) / target)),
         notes=(*best.notes, *raised),
     )
