@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import Tensor
+
 from kvbench.engines.attention import (
     DecodeWorkspace,
     paged_decode_attention,
@@ -37,8 +39,6 @@ from kvbench.engines.attention import (
     write_kv,
 )
 from kvbench.engines.triton_attention import select_decode_backend
-from torch import Tensor
-
 from kvbench.model import LlamaModel, torch_dtype
 
 if TYPE_CHECKING:
@@ -229,7 +229,11 @@ class TorchExecutor:
         block_tables, context_lens = self._decode_tables([chunks[i] for i in decode])
         device = self.device
         self.backend.prepare(
-            torch.tensor(slots, dtype=torch.int64, device=device), len(decode), block_tables, context_lens, prefills
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            len(decode),
+            block_tables,
+            context_lens,
+            prefills,
         )
         hidden = self.model(  # hidden: [T, hidden_size]
             torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -249,8 +253,8 @@ class TorchExecutor:
         max_blocks = max(-(-(c.start_pos + 1) // bs) for c in chunks)
         rows = []
         for chunk in chunks:
-            table = chunk.block_table[:max_blocks]
-            rows.append(table + (0,) * (max_blocks - len(table)))
+            table = list(chunk.block_table[:max_blocks])
+            rows.append(table + [0] * (max_blocks - len(table)))
         block_tables = torch.tensor(rows, dtype=torch.int32, device=self.device)
         context_lens = torch.tensor([c.start_pos + 1 for c in chunks], dtype=torch.int32, device=self.device)
         return block_tables, context_lens

@@ -51,7 +51,9 @@ def rank_beam_candidates(
     ``eos_token_id`` is not None, i.e. EOS is not ignored). Mutates nothing.
     """
     num_beams, vocab = logprobs.shape
-    scores = logprobs.double() + torch.tensor(cum_logprobs, dtype=torch.float64, device=logprobs.device)[:, None]
+    scores = (
+        logprobs.double() + torch.tensor(cum_logprobs, dtype=torch.float64, device=logprobs.device)[:, None]
+    )
     k = min(2 * beam_width, num_beams * vocab)
     values, flat = torch.topk(scores.flatten(), k)
     ranked = sorted(zip(values.tolist(), flat.tolist()), key=lambda c: (-c[0], c[1]))
@@ -97,9 +99,13 @@ class PagedEngine:
         if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"engine.block_size: must be a power of two, got {block_size}")
         if prefix_cache not in PREFIX_INDEXES:
-            raise ValueError(f"engine.prefix_cache: must be one of {tuple(PREFIX_INDEXES)}, got {prefix_cache!r}")
+            raise ValueError(
+                f"engine.prefix_cache: must be one of {tuple(PREFIX_INDEXES)}, got {prefix_cache!r}"
+            )
         if decode_backend not in DECODE_BACKENDS:
-            raise ValueError(f"engine.decode_backend: must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
+            raise ValueError(
+                f"engine.decode_backend: must be one of {DECODE_BACKENDS}, got {decode_backend!r}"
+            )
         if num_host_blocks < 0:
             raise ValueError(f"engine.num_host_blocks: must be >= 0, got {num_host_blocks}")
         self.name = name
@@ -191,7 +197,11 @@ class PagedEngine:
         On CUDA it synchronises before returning so the runner's clock reads finished work.
         """
         kv = self.kv
-        queries0, hits0, evicted0 = kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks
+        queries0, hits0, evicted0 = (
+            kv.num_prefix_query_tokens,
+            kv.num_prefix_hit_tokens,
+            kv.num_evicted_blocks,
+        )
         output = self.scheduler.schedule()
         result = self.executor.execute(output)
         targets = self.scheduler.complete_step()
@@ -233,7 +243,9 @@ class PagedEngine:
         num_in = sum(len(op.swap_in) for op in output.kv_ops)
         return num_out * self.bytes_per_block, num_in * self.bytes_per_block
 
-    def _advance(self, targets: list[tuple[SequenceGroup, Sequence]], result: ExecutionResult) -> list[TokenEvent]:
+    def _advance(
+        self, targets: list[tuple[SequenceGroup, Sequence]], result: ExecutionResult
+    ) -> list[TokenEvent]:
         """Pick next tokens for every sampling target and apply them (forks, beams, finishes)."""
         if not targets:
             return []
@@ -253,7 +265,11 @@ class PagedEngine:
                     keys.append(SampleKey(request.request_id, index, 0, request.temperature))
                     rows.append(row)
             else:
-                keys.append(SampleKey(request.request_id, seq.sample_index, seq.num_output_tokens, request.temperature))
+                keys.append(
+                    SampleKey(
+                        request.request_id, seq.sample_index, seq.num_output_tokens, request.temperature
+                    )
+                )
                 rows.append(row)
         events: list[TokenEvent] = []
         if keys:
@@ -284,7 +300,9 @@ class PagedEngine:
         index_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
         logprobs = log_softmax(logits.index_select(0, index_t))  # [num_beams, vocab]
         eos = None if request.ignore_eos else self.ctx.spec.eos_token_id
-        chosen, finished = rank_beam_candidates(logprobs, [s.cum_logprob for s in seqs], request.beam_width, eos)
+        chosen, finished = rank_beam_candidates(
+            logprobs, [s.cum_logprob for s in seqs], request.beam_width, eos
+        )
         live = self.scheduler.advance_beams(
             group,
             [(seqs[beam], token, score) for beam, token, score in chosen],
@@ -314,7 +332,9 @@ class PagedEngine:
                     continue
                 done_beams.add(id(group))
                 beams = list(group.seqs) if group.has_forked else [seq] * group.num_samples
-                chosen = [(beam, stand_in(group, i, beam.num_output_tokens), 0.0) for i, beam in enumerate(beams)]
+                chosen = [
+                    (beam, stand_in(group, i, beam.num_output_tokens), 0.0) for i, beam in enumerate(beams)
+                ]
                 self.scheduler.advance_beams(group, chosen, [])
                 events.extend(TokenEvent(group.request_id, i, t) for i, (_, t, _) in enumerate(chosen))
             elif not group.has_forked and group.num_samples > 1:

@@ -9,7 +9,7 @@ the scheduler owns the KV manager and mutates these objects.
 Token bookkeeping of one sequence::
 
     token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... o(k-1) ]
-                 \_____ prompt ____/ \__ outputs ___/
+                  <---- prompt ---->   <-- outputs -->
     num_computed_tokens: how many leading tokens have their K/V written in the pool.
     While decoding, num_computed_tokens == len(token_ids) - 1: the newest sampled token
     is fed to the model in the next step.

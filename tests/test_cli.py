@@ -121,3 +121,28 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
         json.loads(p.read_text())["meta"]["status"] for p in (tmp_path / "results" / "partial").glob("*/run.json")
     )
     assert statuses == ["failed", "ok"]
+
+
+@pytest.mark.parametrize("launcher", ["submitit_local", "joblib"])
+def test_launcher_plugins_land_in_one_sweep_directory(launcher: str, tmp_path: Path) -> None:
+    pytest.importorskip({"submitit_local": "hydra_plugins.hydra_submitit_launcher", "joblib": "hydra_plugins.hydra_joblib_launcher"}[launcher])
+    out = kvbench(
+        "sweep", f"hydra/launcher={launcher}", "model=tiny-mha,tiny-mqa", *SMALL,
+        f"run.sweep_name={launcher}", "run.report=false", cwd=tmp_path,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    runs = pd.read_parquet(tmp_path / "results" / launcher / "runs.parquet")
+    assert sorted(runs["model.name"]) == ["tiny-mha", "tiny-mqa"]
+    assert (runs["status"] == "ok").all()
+
+
+def test_sim_mode_runs_a_paper_scale_model_without_tensors(tmp_path: Path) -> None:
+    out = kvbench(
+        "run", "run.mode=sim", "engine=paged", "model=llama-3-8b", "hardware=h100-80gb", "workload=chat",
+        "engine.kv_memory_bytes=null", cwd=tmp_path,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    (run_dir,) = (tmp_path / "results" / "single").iterdir()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["meta"]["mode"] == "sim"
+    assert record["summary"]["output_tokens_per_s"] > 0

@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
+
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sampler import SampleKey, Sampler
-
 from kvbench.model import DenseKVCache, LlamaModel
 from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import EngineContext, Request
@@ -30,8 +30,10 @@ def model() -> LlamaModel:
 
 
 def make_engine(model: LlamaModel, **params) -> PagedEngine:
-    ctx = EngineContext(spec=SPEC, hardware=HardwareSpec(), model=model, device="cpu", kv_dtype="fp32", seed=0)
-    return PagedEngine(ctx, decode_backend="torch", **params)
+    ctx = EngineContext(
+        spec=SPEC, hardware=HardwareSpec(), model=model, device="cpu", kv_dtype="fp32", seed=0
+    )
+    return PagedEngine(ctx, **{"decode_backend": "torch", **params})
 
 
 def run(engine: PagedEngine, requests: list[Request], max_steps: int = 2000):
@@ -43,6 +45,7 @@ def run(engine: PagedEngine, requests: list[Request], max_steps: int = 2000):
             return finished, rejected, outputs
         out = engine.step()
         engine.kv.check()
+        engine.scheduler.check()
         outputs.append(out)
         finished.update((f.request_id, f) for f in out.finished)
         rejected.update((r.request_id, r) for r in out.rejected)
@@ -58,7 +61,9 @@ def logits_of(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden[-1:])[0]
 
 
-def dense_generate(model: LlamaModel, request: Request, sample_index: int = 0, seed: int = 0) -> tuple[int, ...]:
+def dense_generate(
+    model: LlamaModel, request: Request, sample_index: int = 0, seed: int = 0
+) -> tuple[int, ...]:
     """One sample of ``request`` alone: prefill, then one decode token per step (dense cache)."""
     sampler = Sampler(seed)
     prompt = list(request.prompt_token_ids)
@@ -86,7 +91,9 @@ def brute_beam_search(model: LlamaModel, request: Request) -> list[tuple[int, ..
     for _ in range(request.max_new_tokens):
         candidates = []
         for b, (output, score) in enumerate(beams):
-            logprobs = torch.log_softmax(logits_of(model, list(request.prompt_token_ids) + output), -1).tolist()
+            logprobs = torch.log_softmax(
+                logits_of(model, list(request.prompt_token_ids) + output), -1
+            ).tolist()
             candidates.extend((score + lp, b, token) for token, lp in enumerate(logprobs))
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
         beams = [(beams[b][0] + [token], score) for score, b, token in candidates[:width]]
@@ -102,8 +109,9 @@ def mixed_requests(seed: int = 1) -> list[Request]:
     rng = random.Random(seed)
     system = random_prompt(rng, 40)
     requests = []
-    for i, (length, max_new, shared) in enumerate([(5, 7, False), (33, 5, True), (17, 9, False), (50, 4, True),
-                                                   (1, 6, False), (21, 8, True)]):
+    for i, (length, max_new, shared) in enumerate(
+        [(5, 7, False), (33, 5, True), (17, 9, False), (50, 4, True), (1, 6, False), (21, 8, True)]
+    ):
         prompt = (system if shared else ()) + random_prompt(rng, length)
         requests.append(Request(f"r{i}", 0.0, prompt, max_new))
     requests.append(Request("sampled", 0.0, system + random_prompt(rng, 9), 6, n=3, temperature=0.8))
@@ -155,7 +163,12 @@ def test_small_token_budget_matches_dense(model, mixed, chunked):
 def test_preemption_under_a_small_pool_matches_dense(model, mixed, preemption, prefix_cache):
     requests, expected = mixed
     engine = make_engine(
-        model, block_size=4, num_blocks=40, preemption=preemption, prefix_cache=prefix_cache, max_num_batched_tokens=64
+        model,
+        block_size=4,
+        num_blocks=40,
+        preemption=preemption,
+        prefix_cache=prefix_cache,
+        max_num_batched_tokens=64,
     )
     finished, rejected, outputs = run(engine, requests)
     assert not rejected
@@ -223,7 +236,12 @@ def test_beam_search_survives_preemption(model, preemption):
     # 17 blocks of 4: the three others peak at 7 blocks each, so the beams (newest) are
     # preempted several times while they run beside them.
     engine = make_engine(
-        model, block_size=4, num_blocks=17, prefix_cache="none", max_num_batched_tokens=64, preemption=preemption
+        model,
+        block_size=4,
+        num_blocks=17,
+        prefix_cache="none",
+        max_num_batched_tokens=64,
+        preemption=preemption,
     )
     finished, rejected, outputs = run(engine, [*others, beam])
     assert not rejected
@@ -298,3 +316,28 @@ def test_cuda_matches_cpu(decode_backend):
     finished, rejected, outputs = run(engine, requests)
     assert not rejected and sum(o.stats.num_preemptions for o in outputs) > 0
     assert {rid: f.output_token_ids for rid, f in finished.items()} == expected_outputs(model_cpu, requests)
+
+
+@pytest.mark.parametrize(
+    ("config", "prefix_cache", "preemption"),
+    [
+        ("paged", "block_hash", "recompute"),
+        ("paged_radix", "radix", "recompute"),
+        ("paged_noprefix", "none", "recompute"),
+        ("paged_swap", "block_hash", "swap"),
+    ],
+)
+def test_hydra_configs_build_the_engine(model, config, prefix_cache, preemption):
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    with initialize_config_module("kvbench.conf", version_base=None):
+        cfg = compose(f"engine/{config}")
+    factory = instantiate(cfg.engine)
+    ctx = EngineContext(spec=SPEC, hardware=HardwareSpec(), model=model)
+    engine = factory(ctx)
+    facts = engine.describe()
+    assert engine.name == config
+    assert (facts["prefix_cache"], facts["preemption"]) == (prefix_cache, preemption)
+    assert facts["num_blocks"] == 33554432 // (16 * 2048)
+    assert facts["num_host_blocks"] == (facts["num_blocks"] if preemption == "swap" else 0)

@@ -100,7 +100,9 @@ def model() -> LlamaModel:
 
 
 def text_ids(num_tokens: int, seed: int = 0) -> list[int]:
-    return torch.randint(1, TINY.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        1, TINY.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
 
 
 CONFIG = QualityConfig(
@@ -152,8 +154,12 @@ def test_full_cache_perplexity_matches_one_forward(model: LlamaModel) -> None:
 
 def test_window_cache_loses_quality_and_memory(model: LlamaModel) -> None:
     ids = text_ids(100)
-    lossy = evaluate_quality(model, functools.partial(RecentWindowBackend, window=4), ids, CharTokenizer(), CONFIG)
-    wider = evaluate_quality(model, functools.partial(RecentWindowBackend, window=32), ids, CharTokenizer(), CONFIG)
+    lossy = evaluate_quality(
+        model, functools.partial(RecentWindowBackend, window=4), ids, CharTokenizer(), CONFIG
+    )
+    wider = evaluate_quality(
+        model, functools.partial(RecentWindowBackend, window=32), ids, CharTokenizer(), CONFIG
+    )
     assert lossy.backend == "RecentWindowBackend"
     assert lossy.top1_agreement < 0.9
     assert lossy.kl_mean > 0.01
@@ -232,7 +238,9 @@ def test_passkey_scoring_is_a_digit_match() -> None:
 
 
 def test_report_dict_is_flat_and_prefixed(model: LlamaModel) -> None:
-    row = evaluate_quality(model, FullCacheBackend, text_ids(60), CharTokenizer(), CONFIG, name="full").to_dict()
+    row = evaluate_quality(
+        model, FullCacheBackend, text_ids(60), CharTokenizer(), CONFIG, name="full"
+    ).to_dict()
     assert all(key.startswith("quality_") for key in row)
     for key in (
         "quality_backend",
@@ -280,3 +288,13 @@ def test_shipped_text_is_long_plain_english() -> None:
     text = load_quality_text()
     assert 3000 <= len(text.split()) <= 4500
     assert text.isascii()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_full_cache_against_itself_on_cuda() -> None:
+    model = LlamaModel.random(TINY, seed=3, device="cuda")
+    config = QualityConfig(num_prompt_tokens=4, num_continuation_tokens=8, passkey_depths=())
+    report = evaluate_quality(model, FullCacheBackend, text_ids(64), config=config)
+    assert report.top1_agreement == 1.0 and report.kl_max < 1e-4
+    assert report.first_divergence == 8

@@ -1,0 +1,710 @@
+r"""The slab KV manager: the pre-PagedAttention baseline users migrate from.
+
+Each sequence reserves, when it is admitted, one contiguous region of a flat arena of
+blocks, sized for the longest it may ever grow: the model's maximum length
+(``reserve=max_len``: FasterTransformer, Orca "Max") or its prompt + max_new_tokens
+(``reserve=request``: Orca "Oracle" when max_new_tokens is the true output length).
+Regions are placed first-fit (lowest address) or best-fit (smallest run that fits), so
+holes between regions are real: a request waits until one contiguous run fits it.
+
+Arena of 12 blocks, two live regions, a request needing 4 blocks waiting::
+
+    block   0  1  2  3  4  5  6  7  8  9 10 11
+           [  A (4 blocks) ][free ][ B (3)  ][free ]     free runs (4, 2), (9, 3)
+                             \__ 2 __/         \_ 3 _/   both < 4: 5 blocks of external
+                                                         fragmentation until A or B ends
+
+The block table of a sequence is the leading part of its region (``start .. start +
+ceil(num_tokens / block_size) - 1``), so slot = block * block_size + offset is just
+``start * block_size + position``: the paged executor and attention kernels work on it
+unchanged. There is no prefix cache (this is the pre-vLLM baseline) and no sharing:
+each parallel sample or beam reserves its own region, and ``fork`` copies the parent's
+written blocks into the child's region (``KVOps.copies``).
+
+Waste, per live sequence with a region of R blocks (``KVUsage`` fields, in slots; bytes
+are slots * bytes_per_token)::
+
+    token_bytes            num_tokens (slots allocated so far, as the paged manager counts)
+    reserved_unused_bytes  will_use - num_tokens: slots for tokens it will still produce,
+                           will_use = max(num_tokens, prompt + max_new_tokens - 1)
+                           (the last sampled token is never fed back, so never stored)
+    internal_frag_bytes    R * block_size - will_use: reserved but never used (max_len
+                           over-reservation, block rounding, the unstored last token)
+    external_frag_bytes    free blocks in runs shorter than the smallest region any
+                           waiting request needs: free memory no waiting request can use
+                           (0 when nothing waits: free memory is then simply free)
+
+Regions a request reserved for samples or beams not yet forked are counted like a
+sequence with no tokens (reserved_unused = will_use, the rest internal).
+
+The manager learns which request a sequence serves, and what waits, from a
+``GroupDirectory`` (the scheduler: ``group_of`` and ``waiting``), bound once with
+``bind``; ``SlabEngine`` does that. It is tensor-free, so simulation mode runs it as is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvbench.engines.executor import Executor
+from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.paged import PagedEngine
+from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
+from kvbench.types import EngineContext, KVUsage, RejectedRequest, Request, StepOutput
+
+if TYPE_CHECKING:
+    from kvbench.engines.sequence import SequenceGroup
+
+
+# --------------------------------------------------------------------------- policies
+class MaxLenReservation:
+    """Every sequence reserves the model's maximum length (static slab)."""
+
+    name = "max_len"
+
+    def __init__(self, max_model_len: int) -> None:
+        if max_model_len <= 0:
+            raise ValueError(f"MaxLenReservation.max_model_len: must be > 0, got {max_model_len}")
+        self.max_model_len = max_model_len
+
+    def num_tokens(self, request: Request) -> int:
+        """Token slots one sequence of ``request`` reserves (never less than it can use)."""
+        return max(self.max_model_len, request.num_prompt_tokens + request.max_new_tokens)
+
+
+class RequestReservation:
+    """Every sequence reserves its request's prompt + max_new_tokens (per-request slab)."""
+
+    name = "request"
+
+    def num_tokens(self, request: Request) -> int:
+        """Token slots one sequence of ``request`` reserves."""
+        return request.num_prompt_tokens + request.max_new_tokens
+
+
+RESERVE_MODES = ("max_len", "request")
+
+
+def make_reservation(reserve: str, max_model_len: int) -> MaxLenReservation | RequestReservation:
+    """The reservation policy named ``reserve``; ValueError naming ``engine.reserve`` otherwise."""
+    if reserve == "max_len":
+        return MaxLenReservation(max_model_len)
+    if reserve == "request":
+        return RequestReservation()
+    raise ValueError(f"engine.reserve: must be one of {RESERVE_MODES}, got {reserve!r}")
+
+
+class FirstFit:
+    """The lowest-addressed free run that is long enough. O(number of runs)."""
+
+    name = "first_fit"
+
+    @staticmethod
+    def choose(run_lengths: Sequence[int], num_blocks: int) -> int | None:
+        """Index (in address order) of the run to carve ``num_blocks`` from, or None."""
+        for index, length in enumerate(run_lengths):
+            if length >= num_blocks:
+                return index
+        return None
+
+
+class BestFit:
+    """The shortest free run that is long enough (ties: lowest address). O(number of runs).
+
+    Keeps long runs whole for long requests, at the price of leaving slivers."""
+
+    name = "best_fit"
+
+    @staticmethod
+    def choose(run_lengths: Sequence[int], num_blocks: int) -> int | None:
+        best: int | None = None
+        for index, length in enumerate(run_lengths):
+            if length >= num_blocks and (best is None or length < run_lengths[best]):
+                best = index
+        return best
+
+
+PLACEMENTS = {"first_fit": FirstFit, "best_fit": BestFit}
+
+
+class GroupDirectory(Protocol):
+    """What the slab manager reads from the scheduler (``Scheduler`` provides both)."""
+
+    waiting: list[SequenceGroup]
+
+    def group_of(self, seq_id: int) -> SequenceGroup: ...
+
+
+# --------------------------------------------------------------------------- free runs
+class FreeRuns:
+    """Free block runs of the arena, in address order, always coalesced.
+
+    ``starts[i]`` / ``lengths[i]`` describe run i; adjacent runs never touch (a release
+    merges with its neighbours). Every call is O(number of runs).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.starts: list[int] = [0] if num_blocks else []
+        self.lengths: list[int] = [num_blocks] if num_blocks else []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(self.lengths)
+
+    def num_fits(self, num_blocks: int) -> int:
+        """How many regions of ``num_blocks`` could be carved now (each from a run's start)."""
+        return sum(length // num_blocks for length in self.lengths)
+
+    def take(self, index: int, num_blocks: int) -> int:
+        """Carve ``num_blocks`` from the start of run ``index``; returns the region start."""
+        start = self.starts[index]
+        if self.lengths[index] == num_blocks:
+            del self.starts[index]
+            del self.lengths[index]
+        else:
+            self.starts[index] += num_blocks
+            self.lengths[index] -= num_blocks
+        return start
+
+    def release(self, start: int, num_blocks: int) -> None:
+        """Return ``[start, start + num_blocks)`` (must be reserved), merging with neighbours."""
+        index = bisect.bisect_left(self.starts, start)
+        merge_prev = index > 0 and self.starts[index - 1] + self.lengths[index - 1] == start
+        merge_next = index < len(self.starts) and start + num_blocks == self.starts[index]
+        if merge_prev and merge_next:
+            self.lengths[index - 1] += num_blocks + self.lengths[index]
+            del self.starts[index]
+            del self.lengths[index]
+        elif merge_prev:
+            self.lengths[index - 1] += num_blocks
+        elif merge_next:
+            self.starts[index] = start
+            self.lengths[index] += num_blocks
+        else:
+            self.starts.insert(index, start)
+            self.lengths.insert(index, num_blocks)
+
+
+# --------------------------------------------------------------------------- records
+class _Group:
+    """Regions of one request: its live sequences' plus spares for samples/beams to come."""
+
+    __slots__ = ("request_id", "region_num_blocks", "will_use", "spares", "num_live", "num_forks_left")
+
+    def __init__(
+        self, request_id: str, region_num_blocks: int, will_use: int, num_forks_left: int | None
+    ) -> None:
+        self.request_id = request_id
+        self.region_num_blocks = region_num_blocks
+        self.will_use = will_use  # slots one sequence writes by its end: prompt + max_new - 1
+        self.spares: list[int] = []  # starts of reserved regions no sequence holds yet
+        self.num_live = 0
+        # Forks still to come: a spare region left when none can come goes back to the
+        # arena at once. None: beams, which fork and drop sequences until the group ends.
+        self.num_forks_left = num_forks_left
+
+
+class _SlabSeq:
+    __slots__ = ("group", "start", "num_tokens")
+
+    def __init__(self, group: _Group, start: int, num_tokens: int) -> None:
+        self.group = group
+        self.start = start  # first block of the sequence's region
+        self.num_tokens = num_tokens  # token slots allocated
+
+
+# --------------------------------------------------------------------------- manager
+class SlabKVManager:
+    """Contiguous per-sequence regions over a flat arena; the ``PagedKVManager`` interface.
+
+    Paired calls ``can_allocate``/``allocate`` and ``can_append``/``append``: a check call
+    returns False when no contiguous run fits (or the region is full); the act call then
+    raises ``KVCapacityError``. A new request's first ``allocate`` reserves one region
+    per sample or beam (``num_samples`` regions); its later sequences (forks, beams
+    re-admitted together) take those. ``fork`` copies the parent's written blocks; the
+    copies are returned with the next ``KVOps`` any act call returns, which the
+    scheduler applies before the next forward pass (the only thing that writes KV).
+    Swap is not supported (no host tier): ``can_swap_out`` is False, so the scheduler
+    recomputes instead. Misuse (unknown or duplicate seq id, an unbound manager) raises
+    ``KeyError``/``ValueError``/``RuntimeError`` naming the seq id.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_token: int,
+        reservation: MaxLenReservation | RequestReservation,
+        placement: FirstFit | BestFit | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("bytes_per_token", bytes_per_token),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SlabKVManager.{name}: must be an int >= 1, got {value!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_token = bytes_per_token
+        self.reservation = reservation
+        self.placement = placement or FirstFit()
+        self.free_runs = FreeRuns(num_blocks)
+        self._directory: GroupDirectory | None = None
+        self._seqs: dict[int, _SlabSeq] = {}
+        self._groups: dict[str, _Group] = {}
+        self._num_reserved_blocks = 0
+        # Fork copies not yet handed out, per child: (src_block, dst_block).
+        self._pending_copies: dict[int, tuple[tuple[int, int], ...]] = {}
+        # Counters the engine reads. A slab has no prefix cache: it never looks a prefix
+        # up (so the prefix hit rate is "not measured", not 0 %) and never evicts.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_evicted_blocks = 0
+        self.num_fork_copies = 0  # cumulative blocks copied for forks
+
+    def bind(self, directory: GroupDirectory) -> None:
+        """Attach the scheduler (or any ``GroupDirectory``). Mutates the binding; once only."""
+        if self._directory is not None:
+            raise ValueError("SlabKVManager: already bound to a scheduler")
+        self._directory = directory
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    def region_num_blocks(self, request: Request) -> int:
+        """Blocks of one region (one sequence) of ``request``."""
+        return -(-self.reservation.num_tokens(request) // self.block_size)
+
+    def num_blocks_needed(self, request: Request) -> int:
+        """Blocks ``request`` reserves when admitted: one region per sample or beam."""
+        num_samples = request.beam_width if request.beam_width > 1 else request.n
+        return num_samples * self.region_num_blocks(request)
+
+    # ------------------------------------------------------------------ queries
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: int) -> bool:
+        self._seq(seq_id)
+        return False
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Token slots (positions) allocated for the sequence."""
+        return self._seq(seq_id).num_tokens
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The blocks covering the sequence's slots: a contiguous run from its region start."""
+        seq = self._seq(seq_id)
+        return list(range(seq.start, seq.start + -(-seq.num_tokens // self.block_size)))
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Physical slot ``region_start * block_size + position`` for positions ``[start, end)``."""
+        seq = self._seq(seq_id)
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(
+                f"slot_mapping: seq {seq_id} range [{start}, {end}) outside its {seq.num_tokens} slots"
+            )
+        base = seq.start * self.block_size
+        return list(range(base + start, base + end))
+
+    def num_cached_tokens(self, token_ids: Sequence[int], extra_key: str | None) -> int:
+        """Always 0: the slab baseline has no prefix cache. Pure."""
+        return 0
+
+    def region_of(self, seq_id: int) -> tuple[int, int]:
+        """(first block, number of blocks) of the sequence's reserved region."""
+        seq = self._seq(seq_id)
+        return seq.start, seq.group.region_num_blocks
+
+    # ------------------------------------------------------------------ allocate / append
+    def can_allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
+    ) -> bool:
+        """Whether ``allocate`` would succeed now: a reserved spare region, or room to place
+        every region the request reserves. Mutates nothing."""
+        self._check_new(seq_id, num_new_tokens, "can_allocate")
+        group = self._group_of(seq_id)
+        record = self._groups.get(group.request_id)
+        if record is not None and record.spares:
+            return num_new_tokens <= record.region_num_blocks * self.block_size
+        region = self.region_num_blocks(group.request)
+        if num_new_tokens > region * self.block_size:
+            return False
+        return self.free_runs.num_fits(region) >= self._num_regions_to_reserve(group, record)
+
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
+    ) -> tuple[int, KVOps]:
+        """Start ``seq_id`` with ``num_new_tokens`` slots in a region of its own.
+
+        The request's first sequence reserves all its regions (placement policy, one at a
+        time); later ones take a spare. Returns (0 cached tokens, pending fork copies).
+        Mutates the free runs and the group records. Raises KVCapacityError when
+        ``can_allocate`` is False.
+        """
+        if not self.can_allocate(seq_id, token_ids, num_new_tokens, extra_key):
+            raise KVCapacityError(f"allocate: seq {seq_id} does not fit in any free run of the slab arena")
+        group = self._group_of(seq_id)
+        record = self._groups.get(group.request_id)
+        if record is None or not record.spares:
+            num_regions = self._num_regions_to_reserve(group, record)
+            if record is None:
+                request = group.request
+                record = _Group(
+                    group.request_id,
+                    self.region_num_blocks(request),
+                    request.num_prompt_tokens + request.max_new_tokens - 1,
+                    self._num_forks_to_come(group, num_regions),
+                )
+                self._groups[group.request_id] = record
+            for _ in range(num_regions):
+                record.spares.append(self._place(record.region_num_blocks))
+        start = record.spares.pop(0)
+        record.num_live += 1
+        self._seqs[seq_id] = _SlabSeq(record, start, num_new_tokens)
+        return 0, self._flush()
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        """Whether the sequence's region has room for ``num_new_tokens`` more slots."""
+        seq = self._seq(seq_id)
+        return seq.num_tokens + num_new_tokens <= seq.group.region_num_blocks * self.block_size
+
+    def append(self, seq_id: int, num_new_tokens: int) -> KVOps:
+        """Grow ``seq_id`` by ``num_new_tokens`` slots inside its region (never moves it).
+
+        Returns pending fork copies. Mutates the slot count. Raises KVCapacityError when
+        ``can_append`` is False, ValueError for a negative count."""
+        if num_new_tokens < 0:
+            raise ValueError(f"append: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
+        if not self.can_append(seq_id, num_new_tokens):
+            seq = self._seqs[seq_id]
+            raise KVCapacityError(
+                f"append: seq {seq_id} would hold {seq.num_tokens + num_new_tokens} slots, "
+                f"its region has {seq.group.region_num_blocks * self.block_size}"
+            )
+        self._seqs[seq_id].num_tokens += num_new_tokens
+        return self._flush()
+
+    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Nothing to register (no prefix cache); ValueError when more tokens than slots."""
+        seq = self._seq(seq_id)
+        if len(token_ids) > seq.num_tokens:
+            raise ValueError(
+                f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
+            )
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Give ``child_seq_id`` a spare region of the parent's request and queue copies of
+        the parent's written blocks into it (handed out by the next act call).
+
+        Mutates the group's spares and the pending copies. Raises KVCapacityError when the
+        request has no spare region (more samples than it reserved)."""
+        parent = self._seq(parent_seq_id)
+        if child_seq_id in self._seqs:
+            raise ValueError(f"fork: seq {child_seq_id} already exists")
+        group = parent.group
+        if not group.spares:
+            raise KVCapacityError(
+                f"fork: request {group.request_id} has no reserved region left for seq {child_seq_id}"
+            )
+        start = group.spares.pop(0)
+        if group.num_forks_left is not None:
+            group.num_forks_left -= 1
+        group.num_live += 1
+        self._seqs[child_seq_id] = _SlabSeq(group, start, parent.num_tokens)
+        num_written = -(-parent.num_tokens // self.block_size)
+        self._pending_copies[child_seq_id] = tuple((parent.start + i, start + i) for i in range(num_written))
+
+    def free(self, seq_id: int) -> None:
+        """Drop ``seq_id``. Its region goes back to the arena, or stays reserved as a spare
+        while the request may still fork (beams, samples not forked yet); the request's
+        spares go back when its last sequence goes. Mutates the free runs and records."""
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        self._pending_copies.pop(seq_id, None)
+        group = seq.group
+        group.num_live -= 1
+        if group.num_forks_left == 0:
+            self._release(seq.start, group.region_num_blocks)
+        else:
+            group.spares.append(seq.start)
+        if group.num_live == 0:
+            for start in group.spares:
+                self._release(start, group.region_num_blocks)
+            del self._groups[group.request_id]
+
+    # ------------------------------------------------------------------ swap (none)
+    def can_swap_out(self, seq_id: int) -> bool:
+        """Always False: the slab has no host tier (the scheduler then recomputes)."""
+        self._seq(seq_id)
+        return False
+
+    def swap_out(self, seq_id: int) -> KVOps:
+        raise KVCapacityError(f"swap_out: seq {seq_id}: the slab manager has no host tier")
+
+    def can_swap_in(self, seq_id: int) -> bool:
+        raise ValueError(f"can_swap_in: seq {seq_id} is not swapped out (the slab never swaps)")
+
+    def swap_in(self, seq_id: int) -> KVOps:
+        raise ValueError(f"swap_in: seq {seq_id} is not swapped out (the slab never swaps)")
+
+    # ------------------------------------------------------------------ usage / check
+    def usage(self) -> KVUsage:
+        """Memory now, split into token state and the three kinds of waste (module doc).
+
+        O(live sequences + request records + free runs + waiting requests). Mutates nothing."""
+        token_slots = 0
+        will_use_slots = 0
+        for seq in self._seqs.values():
+            token_slots += seq.num_tokens
+            will_use_slots += max(seq.num_tokens, seq.group.will_use)
+        for group in self._groups.values():
+            will_use_slots += len(group.spares) * group.will_use
+        bpt = self.bytes_per_token
+        allocated = self._num_reserved_blocks * self.bytes_per_block
+        token_bytes = token_slots * bpt
+        reserved_unused = (will_use_slots - token_slots) * bpt
+        return KVUsage(
+            capacity_bytes=self.num_blocks * self.bytes_per_block,
+            allocated_bytes=allocated,
+            token_bytes=token_bytes,
+            reserved_unused_bytes=reserved_unused,
+            internal_frag_bytes=allocated - token_bytes - reserved_unused,
+            external_frag_bytes=self.num_unusable_free_blocks() * self.bytes_per_block,
+            num_blocks_total=self.num_blocks,
+            num_blocks_in_use=self._num_reserved_blocks,
+            num_blocks_free=self.num_blocks - self._num_reserved_blocks,
+        )
+
+    def smallest_waiting_region(self) -> int | None:
+        """Blocks of the smallest region any waiting request needs; None when none waits."""
+        if self._directory is None or not self._directory.waiting:
+            return None
+        return min(self.region_num_blocks(group.request) for group in self._directory.waiting)
+
+    def num_unusable_free_blocks(self) -> int:
+        """Free blocks in runs too short for every waiting request (external fragmentation)."""
+        need = self.smallest_waiting_region()
+        if need is None:
+            return 0
+        return sum(length for length in self.free_runs.lengths if length < need)
+
+    def check(self) -> None:
+        """Raise AssertionError naming the first broken invariant. O(blocks)."""
+        n = self.num_blocks
+        owner: list[str | None] = [None] * n
+
+        def claim(start: int, length: int, who: str) -> None:
+            assert length > 0 and start >= 0 and start + length <= n, (
+                f"{who}: [{start}, {start + length}) outside arena"
+            )
+            for b in range(start, start + length):
+                assert owner[b] is None, f"block {b}: held by {owner[b]} and {who}"
+                owner[b] = who
+
+        runs = self.free_runs
+        for i, (start, length) in enumerate(zip(runs.starts, runs.lengths)):
+            if i:
+                prev_end = runs.starts[i - 1] + runs.lengths[i - 1]
+                assert prev_end < start, f"free runs {i - 1} and {i} overlap or touch (not coalesced)"
+            claim(start, length, f"free run {i}")
+        num_live: dict[str, int] = {}
+        for seq_id, seq in self._seqs.items():
+            group = seq.group
+            assert self._groups.get(group.request_id) is group, f"seq {seq_id}: request record missing"
+            slots = group.region_num_blocks * self.block_size
+            assert 0 <= seq.num_tokens <= slots, (
+                f"seq {seq_id}: {seq.num_tokens} slots in a region of {slots}"
+            )
+            claim(seq.start, group.region_num_blocks, f"seq {seq_id}")
+            num_live[group.request_id] = num_live.get(group.request_id, 0) + 1
+        reserved = 0
+        for request_id, group in self._groups.items():
+            assert group.num_live == num_live.get(request_id, 0) > 0, (
+                f"request {request_id}: num_live={group.num_live}, live seqs {num_live.get(request_id, 0)}"
+            )
+            for start in group.spares:
+                claim(start, group.region_num_blocks, f"spare of {request_id}")
+            reserved += (group.num_live + len(group.spares)) * group.region_num_blocks
+        assert reserved == self._num_reserved_blocks, (
+            f"reserved blocks {self._num_reserved_blocks}, recount {reserved}"
+        )
+        assert reserved + runs.num_free_blocks == n, (
+            f"reserved {reserved} + free {runs.num_free_blocks} != {n}"
+        )
+        assert all(b is not None for b in owner), "a block is neither free nor reserved"
+        destinations = set()
+        for child, copies in self._pending_copies.items():
+            assert child in self._seqs, f"pending copies for dead seq {child}"
+            start, length = self._seqs[child].start, self._seqs[child].group.region_num_blocks
+            for _, dst in copies:
+                assert start <= dst < start + length, f"seq {child}: copy into block {dst} outside its region"
+                destinations.add(dst)
+        for copies in self._pending_copies.values():
+            for src, _ in copies:
+                assert src not in destinations, f"block {src} is both a pending copy source and destination"
+
+    # ------------------------------------------------------------------ internals
+    def _num_regions_to_reserve(self, group: SequenceGroup, record: _Group | None) -> int:
+        if record is not None:
+            return 1  # more sequences than the request reserved for: one more region
+        if group.is_beam or not group.has_forked:
+            return group.num_samples
+        return len(group.seqs)  # samples re-admitted after a recompute preemption
+
+    @staticmethod
+    def _num_forks_to_come(group: SequenceGroup, num_regions: int) -> int | None:
+        if group.is_beam:
+            return None  # beams fork and drop sequences until the request ends
+        return 0 if group.has_forked else num_regions - 1
+
+    def _place(self, num_blocks: int) -> int:
+        index = self.placement.choose(self.free_runs.lengths, num_blocks)
+        assert index is not None, "placement found no run although can_allocate said one fits"
+        self._num_reserved_blocks += num_blocks
+        return self.free_runs.take(index, num_blocks)
+
+    def _release(self, start: int, num_blocks: int) -> None:
+        self.free_runs.release(start, num_blocks)
+        self._num_reserved_blocks -= num_blocks
+
+    def _flush(self) -> KVOps:
+        """Hand out queued fork copies (one KVOps: sources and destinations are disjoint)."""
+        if not self._pending_copies:
+            return NO_OPS
+        copies = tuple(pair for pairs in self._pending_copies.values() for pair in pairs)
+        self._pending_copies.clear()
+        self.num_fork_copies += len(copies)
+        return KVOps(copies=copies)
+
+    def _group_of(self, seq_id: int) -> SequenceGroup:
+        if self._directory is None:
+            raise RuntimeError(
+                f"SlabKVManager: seq {seq_id}: not bound to a scheduler (call bind; SlabEngine does)"
+            )
+        return self._directory.group_of(seq_id)
+
+    def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"{op}: seq {seq_id} already exists")
+        if num_new_tokens < 0:
+            raise ValueError(f"{op}: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
+
+    def _seq(self, seq_id: int) -> _SlabSeq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"SlabKVManager: unknown seq {seq_id}") from None
+
+
+# --------------------------------------------------------------------------- engine
+class SlabEngine(PagedEngine):
+    """The paged engine's scheduler, executor and sampler over a ``SlabKVManager``.
+
+    Same parameters as ``PagedEngine`` (``conf/engine/slab.yaml``) plus ``reserve``
+    (``max_len`` | ``request``) and ``placement`` (``first_fit`` | ``best_fit``); no prefix
+    cache and recompute-only preemption (the slab has no host tier). A request whose
+    regions exceed the whole arena is rejected by the next ``step``. Raises ValueError
+    naming ``engine.<parameter>`` for an invalid parameter.
+    """
+
+    def __init__(
+        self,
+        ctx: EngineContext,
+        *,
+        name: str = "slab",
+        reserve: str = "max_len",
+        placement: str = "first_fit",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int = 32 * 1024 * 1024,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        chunked_prefill: bool = True,
+        victim_policy: str = "newest",
+        decode_backend: str = "auto",
+        executor: Executor | None = None,
+    ) -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"engine.placement: must be one of {tuple(PLACEMENTS)}, got {placement!r}")
+        reservation = make_reservation(reserve, ctx.spec.max_position_embeddings)
+        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"engine.block_size: must be a power of two, got {block_size}")
+        if num_blocks is None:
+            # The paged engine's rule (pool = kv_memory_bytes // bytes_per_block), needed
+            # here first because the manager is built before the engine.
+            if kv_memory_bytes <= 0:
+                raise ValueError(f"engine.kv_memory_bytes: must be > 0, got {kv_memory_bytes}")
+            num_blocks = kv_memory_bytes // kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)
+            if num_blocks == 0:
+                raise ValueError(
+                    f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no block of {block_size} tokens"
+                )
+        elif num_blocks <= 0:
+            raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
+        manager = SlabKVManager(
+            num_blocks,
+            block_size,
+            kv_bytes_per_token(ctx.spec, ctx.kv_dtype),
+            reservation,
+            PLACEMENTS[placement](),
+        )
+        super().__init__(
+            ctx,
+            name=name,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunked_prefill=chunked_prefill,
+            prefix_cache="none",
+            preemption="recompute",
+            victim_policy=victim_policy,
+            decode_backend=decode_backend,
+            executor=executor,
+            kv_manager=manager,  # type: ignore[arg-type]  # same interface as PagedKVManager
+        )
+        manager.bind(self.scheduler)
+        self.slab: SlabKVManager = manager
+        self._rejections: list[RejectedRequest] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``, or reject it (reported by the next step) when its regions
+        exceed the arena: a slab can never fit it. Mutates the queues."""
+        needed = self.slab.num_blocks_needed(request)
+        if needed > self.num_blocks:
+            num_samples = request.beam_width if request.beam_width > 1 else request.n
+            self._rejections.append(
+                RejectedRequest(
+                    request.request_id,
+                    f"slab reservation of {num_samples} x {self.slab.region_num_blocks(request)} blocks "
+                    f"({self.slab.reservation.name}) exceeds the arena of {self.num_blocks} blocks",
+                )
+            )
+            return
+        super().add_request(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._rejections) or super().has_unfinished()
+
+    def step(self) -> StepOutput:
+        """One iteration of the paged engine, plus rejections made at ``add_request``."""
+        output = super().step()
+        if not self._rejections:
+            return output
+        rejected, self._rejections = tuple(self._rejections), []
+        return dataclasses.replace(output, rejected=rejected + output.rejected)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "kv_manager": "slab",
+            "slab_reserve": self.slab.reservation.name,
+            "slab_placement": self.slab.placement.name,
+        }
