@@ -97,6 +97,11 @@ class BlockPool:
     def is_cached(self, block_id: int) -> bool:
         return self._cached[block_id]
 
+    def is_exclusive(self, block_id: int) -> bool:
+        """Whether exactly one reference holds the block and no prefix index registered it:
+        its holder may write any slot in place. The KV manager's decode fast path. Pure."""
+        return self._ref[block_id] == 1 and not self._cached[block_id]
+
     def free_blocks(self) -> list[int]:
         """Free block ids from head (next reused) to tail. O(num_free); for tests and checks."""
         out = []

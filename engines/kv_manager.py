@@ -196,6 +196,15 @@ class PagedKVManager:
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
         """Whether ``append`` would succeed now. Mutates nothing."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.host_blocks is None:
+            # Fast path (most decode steps): the slots fit in the partial last block and
+            # nobody else claimed them (or it holds the block alone): no new block, no copy.
+            offset = seq.num_tokens % self.block_size
+            if offset and offset + num_new_tokens <= self.block_size:
+                last = seq.block_ids[-1]
+                if self._claimed[last] <= offset or self.pool.is_exclusive(last):
+                    return True
         seq = self._resident(seq_id, "can_append")
         need = self._num_blocks_needed(seq.num_tokens, seq.block_ids, num_new_tokens, held=True)
         return need <= self.num_allocatable_blocks
@@ -207,6 +216,21 @@ class PagedKVManager:
         Mutates: the block table, references, the free list (may evict cached blocks).
         Raises KVCapacityError when ``can_append`` is False.
         """
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.host_blocks is None and num_new_tokens > 0:
+            # Fast path, as in can_append: claim the next slots of the partial last block
+            # in place (what _grow does there, without its general checks). The sequence
+            # holds the block, so its claimed slots count in _num_token_slots.
+            offset = seq.num_tokens % self.block_size
+            end = offset + num_new_tokens
+            if offset and end <= self.block_size:
+                last = seq.block_ids[-1]
+                claimed = self._claimed[last]
+                if claimed <= offset or self.pool.is_exclusive(last):
+                    self._num_token_slots += end - claimed  # a sole holder overwrites stale claims
+                    self._claimed[last] = end
+                    seq.num_tokens += num_new_tokens
+                    return NO_OPS
         seq = self._resident(seq_id, "append")
         if num_new_tokens < 0:
             raise ValueError(f"append: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -220,7 +244,9 @@ class PagedKVManager:
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Register ``token_ids`` (all tokens whose KV is written for the sequence) with the
         prefix index. Mutates: the index. ValueError when more tokens than slots."""
-        seq = self._resident(seq_id, "commit")
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.host_blocks is not None:
+            seq = self._resident(seq_id, "commit")  # raises naming the seq
         if len(token_ids) > seq.num_tokens:
             raise ValueError(
                 f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"

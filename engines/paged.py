@@ -28,6 +28,7 @@ from kvbench.engines.radix_cache import RadixPrefixIndex
 from kvbench.engines.sampler import SampleKey, Sampler, log_softmax, stable_seed
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvbench.engines.sequence import Sequence, SequenceGroup
+from kvbench.engines.sim_executor import sim_setup
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
 from kvbench.types import EngineContext, Request, StepOutput, StepStats, TokenEvent
 
@@ -84,7 +85,8 @@ class PagedEngine:
         name: str = "paged",
         block_size: int = 16,
         num_blocks: int | None = None,
-        kv_memory_bytes: int = 32 * 1024 * 1024,
+        kv_memory_bytes: int | None = 32 * 1024 * 1024,
+        gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         chunked_prefill: bool = True,
@@ -113,17 +115,33 @@ class PagedEngine:
         spec = ctx.spec
         self.bytes_per_token = kv_bytes_per_token(spec, ctx.kv_dtype)
         self.bytes_per_block = kv_bytes_per_block(spec, ctx.kv_dtype, block_size)
-        if num_blocks is None:
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"engine.gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        if num_blocks is None and kv_memory_bytes is not None:
             if kv_memory_bytes <= 0:
-                raise ValueError(f"engine.kv_memory_bytes: must be > 0, got {kv_memory_bytes}")
+                raise ValueError(f"engine.kv_memory_bytes: must be > 0 (or null), got {kv_memory_bytes}")
             num_blocks = kv_memory_bytes // self.bytes_per_block
             if num_blocks == 0:
                 raise ValueError(
                     f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no block of "
                     f"{self.bytes_per_block} bytes (block_size {block_size})"
                 )
-        elif num_blocks <= 0:
+        elif num_blocks is not None and num_blocks <= 0:
             raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
+        if executor is None and ctx.mode == "sim":
+            # Simulation mode: the cost-model executor, and (num_blocks still None) the pool
+            # a real engine would get on ctx.hardware; sim_setup prints the one-line plan.
+            num_blocks, executor = sim_setup(
+                ctx, block_size=block_size, num_blocks=num_blocks, gpu_memory_utilization=gpu_memory_utilization
+            )
+        if num_blocks is None:
+            raise ValueError(
+                "engine.kv_memory_bytes: null sizes the pool from the hardware profile, which only "
+                f"simulation mode does (run.mode=sim; this run is {ctx.mode!r}); set kv_memory_bytes "
+                "or num_blocks"
+            )
         if preemption == "swap" and num_host_blocks == 0:
             num_host_blocks = num_blocks
         config = SchedulerConfig(
@@ -139,6 +157,7 @@ class PagedEngine:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.prefix_cache = prefix_cache
+        self.gpu_memory_utilization = gpu_memory_utilization
         # Variants (slab, H2O, offload) pass their own manager with the same interface;
         # its pool must match num_blocks / block_size so the executor's tensors fit it.
         self.kv = kv_manager or PagedKVManager(

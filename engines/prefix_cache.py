@@ -20,7 +20,7 @@ Who holds what (the manager and the index share one ``BlockPool``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -153,20 +153,94 @@ class NullPrefixIndex:
 
 
 # A block's key: (hash of the parent block's key or None for the first block,
-# the block's token ids, extra_key). The dict compares whole keys, so two different token
-# blocks never alias; only a 64-bit collision of two parents' hashes could, which we accept
-# as vLLM does with its builtin-hash option.
+# the block's token ids, extra_key). The index maps a key's 64-bit hash to its block and
+# compares the whole key on every hit, so two different token blocks never alias; only a
+# 64-bit collision of two parents' hashes could, which we accept as vLLM does with its
+# builtin-hash option.
 BlockKey = tuple[int | None, tuple[int, ...], str | None]
 
 
+class BlockKeyChain:
+    """The chained keys (and their hashes) of a token sequence's full blocks, computed once.
+
+    vLLM keeps block hashes on the request so that matching and registering never rehash
+    a prompt; this is that cache. It is valid for one append-only token sequence, one
+    block size and one extra key: full blocks never change as the sequence grows, so keys
+    are only ever appended. ``extend`` is O(new blocks x block_size).
+    """
+
+    __slots__ = ("block_size", "extra_key", "keys", "hashes")
+
+    def __init__(self, block_size: int, extra_key: str | None) -> None:
+        self.block_size = block_size
+        self.extra_key = extra_key
+        self.keys: list[BlockKey] = []
+        self.hashes: list[int] = []  # hashes[i] == hash(keys[i]): block i + 1's parent
+
+    def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
+        """Compute keys up to block ``num_blocks - 1`` (no-op when already there). Mutates the
+        chain; raises ValueError when ``token_ids`` has fewer full blocks."""
+        keys, hashes = self.keys, self.hashes
+        if num_blocks <= len(keys):
+            return
+        bs = self.block_size
+        if num_blocks * bs > len(token_ids):
+            raise ValueError(f"BlockKeyChain: {num_blocks} blocks asked of {len(token_ids)} tokens")
+        extra = self.extra_key
+        parent = hashes[-1] if hashes else None
+        for i in range(len(keys), num_blocks):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra)
+            parent = hash(key)
+            keys.append(key)
+            hashes.append(parent)
+
+    def copy(self) -> BlockKeyChain:
+        """An independent chain with the same keys (a fork shares every full block)."""
+        chain = BlockKeyChain(self.block_size, self.extra_key)
+        chain.keys = list(self.keys)
+        chain.hashes = list(self.hashes)
+        return chain
+
+
+class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
+    """A sequence's token ids (a plain ``list``) carrying its ``BlockKeyChain``.
+
+    The scheduler's sequences hold their tokens in one, so ``BlockHashPrefixIndex.match``
+    (called for a waiting sequence every step it stays blocked) and ``commit`` reuse the
+    keys instead of rehashing the prompt. Contract: only ``append``/``extend`` mutate it
+    (which is how sequences grow); the chain covers full blocks only, so it stays valid.
+    ``copy`` (fork) copies the chain, since both copies share every full block.
+    """
+
+    __slots__ = ("key_chain",)
+
+    def __init__(self, token_ids: Iterable[int] = ()) -> None:
+        super().__init__(token_ids)
+        self.key_chain: BlockKeyChain | None = None
+
+    def copy(self) -> KeyedTokenIds:  # type: ignore[override]
+        other = KeyedTokenIds(self)
+        if self.key_chain is not None:
+            other.key_chain = self.key_chain.copy()
+        return other
+
+    def chain(self, block_size: int, extra_key: str | None) -> BlockKeyChain:
+        """The chain for this block size and extra key (a new one if those changed). Mutates
+        ``key_chain``."""
+        chain = self.key_chain
+        if chain is None or chain.block_size != block_size or chain.extra_key != extra_key:
+            chain = self.key_chain = BlockKeyChain(block_size, extra_key)
+        return chain
+
+
 class _SeqHashState:
-    """How far a sequence's full blocks are registered, and the chain hash to continue from."""
+    """How far a sequence's full blocks are registered, and the key chain to continue from."""
 
-    __slots__ = ("num_blocks", "last_hash")
+    __slots__ = ("num_blocks", "chain")
 
-    def __init__(self, num_blocks: int, last_hash: int | None) -> None:
+    def __init__(self, num_blocks: int, chain: BlockKeyChain | None) -> None:
         self.num_blocks = num_blocks
-        self.last_hash = last_hash
+        self.chain = chain
 
 
 class BlockHashPrefixIndex:
@@ -186,7 +260,7 @@ class BlockHashPrefixIndex:
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
         self._block_size = 0
-        self._key_to_block: dict[BlockKey, int] = {}
+        self._hash_to_block: dict[int, int] = {}  # hash(key) -> block (compared by key on a hit)
         self._block_key: dict[int, BlockKey] = {}
         self._seqs: dict[int, _SeqHashState] = {}
         self._num_evicted_blocks = 0
@@ -205,27 +279,34 @@ class BlockHashPrefixIndex:
         pool = self._bound_pool()
         bs = self._block_size
         num_full = max(len(token_ids) - 1, 0) // bs
+        chain = self._chain(token_ids, extra_key)
+        keys, hashes = chain.keys, chain.hashes
         blocks: list[int] = []
         num_taken = 0
-        parent: int | None = None
-        lookup = self._key_to_block
+        lookup, block_key = self._hash_to_block, self._block_key
         for i in range(num_full):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_key)
-            block = lookup.get(key)
-            if block is None:
+            if i == len(keys):
+                chain.extend(token_ids, i + 1)  # lazily: a miss ends the walk
+            block = lookup.get(hashes[i])
+            if block is None or block_key[block] != keys[i]:
                 break
             blocks.append(block)
             if pool.ref_count(block) == 0:
                 num_taken += 1  # revived from the free list
-            parent = hash(key)
         if not blocks:
-            return NO_MATCH
-        return PrefixMatch(len(blocks) * bs, tuple(blocks), num_taken, handle=parent)
+            # A carried chain goes to acquire, so commit continues it instead of rehashing.
+            return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyedTokenIds) else NO_MATCH
+        return PrefixMatch(len(blocks) * bs, tuple(blocks), num_taken, handle=chain)
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
         if seq_id in self._seqs:
             raise ValueError(f"BlockHashPrefixIndex.acquire: seq {seq_id} already tracked")
-        self._seqs[seq_id] = _SeqHashState(len(match.block_ids), match.handle)
+        chain = match.handle
+        if chain is None and not match.block_ids:
+            chain = None  # NO_MATCH: commit starts a chain
+        elif not isinstance(chain, BlockKeyChain) or chain.block_size != self._block_size:
+            raise ValueError(f"BlockHashPrefixIndex.acquire: seq {seq_id}: the match is not from this index")
+        self._seqs[seq_id] = _SeqHashState(len(match.block_ids), chain)
 
     def commit(
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
@@ -234,28 +315,34 @@ class BlockHashPrefixIndex:
         state = self._seq(seq_id)
         bs = self._block_size
         num_full = len(token_ids) // bs
+        if num_full <= state.num_blocks:
+            return  # no new full block (most decode steps)
         if num_full > len(block_ids):
             raise ValueError(
                 f"BlockHashPrefixIndex.commit: seq {seq_id} commits {len(token_ids)} tokens "
                 f"but its block table has only {len(block_ids)} blocks"
             )
-        parent = state.last_hash
+        chain = state.chain
+        if chain is None:
+            chain = state.chain = self._chain(token_ids, extra_key)
+        chain.extend(token_ids, num_full)
+        lookup, block_key = self._hash_to_block, self._block_key
         for i in range(state.num_blocks, num_full):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_key)
-            block = block_ids[i]
-            if key not in self._key_to_block:
-                self._key_to_block[key] = block
-                self._block_key[block] = key
+            h = chain.hashes[i]
+            if h not in lookup:
+                block = block_ids[i]
+                lookup[h] = block
+                block_key[block] = chain.keys[i]
                 pool.set_cached(block, True)
-            parent = hash(key)
-        state.num_blocks = max(state.num_blocks, num_full)
-        state.last_hash = parent
+        state.num_blocks = num_full
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:
             raise ValueError(f"BlockHashPrefixIndex.fork: seq {child_seq_id} already tracked")
         parent = self._seq(parent_seq_id)
-        self._seqs[child_seq_id] = _SeqHashState(parent.num_blocks, parent.last_hash)
+        # The copy shares every full block so far; the chains diverge from the next one.
+        chain = None if parent.chain is None else parent.chain.copy()
+        self._seqs[child_seq_id] = _SeqHashState(parent.num_blocks, chain)
 
     def release(self, seq_id: int) -> None:
         self._seq(seq_id)
@@ -273,10 +360,11 @@ class BlockHashPrefixIndex:
 
     def check(self) -> None:
         pool = self._bound_pool()
-        for key, block in self._key_to_block.items():
-            assert self._block_key.get(block) == key, f"hash map entry for block {block} not mirrored"
-        assert len(self._block_key) == len(self._key_to_block), (
-            f"{len(self._block_key)} hashed blocks but {len(self._key_to_block)} hash map entries"
+        for h, block in self._hash_to_block.items():
+            key = self._block_key.get(block)
+            assert key is not None and hash(key) == h, f"hash map entry for block {block} not mirrored"
+        assert len(self._block_key) == len(self._hash_to_block), (
+            f"{len(self._block_key)} hashed blocks but {len(self._hash_to_block)} hash map entries"
         )
         for block in range(pool.num_blocks):
             assert pool.is_cached(block) == (block in self._block_key), (
@@ -287,13 +375,19 @@ class BlockHashPrefixIndex:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the hash map (in use or cached-free)."""
-        return len(self._key_to_block)
+        return len(self._hash_to_block)
 
     def _on_block_reused(self, block_id: int) -> None:
         # The pool is about to overwrite a cached-free block: forget it (lazy eviction).
         key = self._block_key.pop(block_id)
-        del self._key_to_block[key]
+        del self._hash_to_block[hash(key)]
         self._num_evicted_blocks += 1
+
+    def _chain(self, token_ids: Sequence[int], extra_key: str | None) -> BlockKeyChain:
+        """The key chain ``token_ids`` carries (KeyedTokenIds), else a throwaway one."""
+        if isinstance(token_ids, KeyedTokenIds):
+            return token_ids.chain(self._block_size, extra_key)
+        return BlockKeyChain(self._block_size, extra_key)
 
     def _seq(self, seq_id: int) -> _SeqHashState:
         try:

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvbench.engines.sequence import GroupStatus, Sequence, SequenceGroup
 from kvbench.types import FinishedRequest, RejectedRequest, Request
 
+from kvbench.engines.kv_manager import NO_OPS
+
 if TYPE_CHECKING:
     from kvbench.engines.kv_manager import KVOps, PagedKVManager
 
@@ -324,23 +326,35 @@ class Scheduler:
         """Give a running group its tokens, preempting from the end. False if it preempted itself."""
         if self._budget <= 0:
             return True
-        hold_last = self._hold_last(group)
-        if group.has_forked and group.is_beam and not hold_last and len(group.seqs) > self._budget:
-            return True  # lockstep decode needs one token per beam in the same step
+        hold_last = False
+        if group.has_forked and group.is_beam:
+            hold_last = self._hold_last(group)
+            if not hold_last and len(group.seqs) > self._budget:
+                return True  # lockstep decode needs one token per beam in the same step
         kv = self.kv
+        pieces = self._pieces
         for seq in group.seqs:
-            num_tokens = self._num_tokens_to_run(group, seq, hold_last)
-            if num_tokens == 0:
-                continue
-            while not kv.can_append(seq.seq_id, num_tokens):
+            if not hold_last and len(seq.token_ids) - seq.num_computed_tokens == 1:
+                num_tokens = 1  # a decode token (the budget is > 0): the common case, inlined
+            else:
+                num_tokens = self._num_tokens_to_run(group, seq, hold_last)
+                if num_tokens == 0:
+                    continue
+            seq_id = seq.seq_id
+            while not kv.can_append(seq_id, num_tokens):
                 victim = self.running[-1]
                 if victim is group:
                     self._preempt_self(group)
                     return False
                 self.running.pop()
                 self._preempt(victim)
-            self._ops.append(kv.append(seq.seq_id, num_tokens))
-            self._add_piece(group, seq, seq.num_computed_tokens, num_tokens)
+            ops = kv.append(seq_id, num_tokens)
+            if ops is not NO_OPS:
+                self._ops.append(ops)
+            pieces.append(_Piece(group, seq, seq.num_computed_tokens, num_tokens))
+            self._budget -= num_tokens
+            if self._budget <= 0:
+                break
         return True
 
     def _add_piece(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:

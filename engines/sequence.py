@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 
+from kvbench.engines.prefix_cache import KeyedTokenIds
 from kvbench.types import FinishedRequest, Request
 
 
@@ -67,7 +68,10 @@ class Sequence:
 
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
         """A copy with a new id: same tokens, same computed prefix (its KV is shared)."""
-        child = Sequence(seq_id, sample_index, list(self.token_ids), self.num_prompt_tokens)
+        tokens = self.token_ids
+        # KeyedTokenIds.copy keeps the full blocks' prefix-cache keys (shared by both).
+        copied = tokens.copy() if isinstance(tokens, KeyedTokenIds) else list(tokens)
+        child = Sequence(seq_id, sample_index, copied, self.num_prompt_tokens)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_lost_tokens = self.num_lost_tokens
         child.cum_logprob = self.cum_logprob
@@ -110,7 +114,8 @@ class SequenceGroup:
         self.request = request
         self.eos_token_id = eos_token_id
         self.arrival_index = arrival_index
-        prompt = list(request.prompt_token_ids)
+        # Append-only token ids that remember their prefix-cache block keys (computed once).
+        prompt = KeyedTokenIds(request.prompt_token_ids)
         self.seqs: list[Sequence] = [Sequence(first_seq_id, 0, prompt, len(prompt))]
         self.status = GroupStatus.WAITING
         self.has_forked = False

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvbench.engines.executor import ExecutionResult
 from kvbench.sim.cost_model import CostModel, StepShape
 from kvbench.sim.pool import plan_kv_pool
-from kvbench.sizing import DEFAULT_ACTIVATION_RESERVE_BYTES, kv_bytes_per_block
+from kvbench.sizing import DEFAULT_ACTIVATION_RESERVE_BYTES, GIB, kv_bytes_per_block
 from kvbench.types import Engine, EngineContext
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def sim_setup(
     """Block count and executor of a simulated engine.
 
     ``num_blocks=None`` sizes the pool from ``ctx.hardware`` like a real engine
-    (kvbench.sim.pool.plan_kv_pool) and passes its one-line summary to ``log``.
+    (kvbench.sim.pool.plan_kv_pool); either way the pool's one-line summary goes to ``log``.
     Raises SpecError (weights do not fit, bad dtype) or ValueError naming the parameter.
     """
     if num_blocks is None:
@@ -137,6 +137,15 @@ def sim_setup(
             log(plan.summary())
     elif num_blocks <= 0:
         raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
+    else:
+        per_block = kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)  # validates block_size, dtype
+        if log is not None:
+            log(
+                f"KV pool {ctx.spec.name} on {ctx.hardware.name}: {num_blocks:,} blocks x {block_size} tokens "
+                f"({num_blocks * block_size:,} tokens, {num_blocks * per_block / GIB:,.2f} GiB, "
+                f"{per_block // block_size / 1024:,.0f} KiB/token {ctx.kv_dtype}) set by engine.num_blocks "
+                "or engine.kv_memory_bytes"
+            )
     kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)  # validates block_size and dtype
     return num_blocks, CostModelExecutor.from_context(ctx, block_size=block_size)
 

@@ -403,8 +403,10 @@ class SlabKVManager:
         """Give ``child_seq_id`` a spare region of the parent's request and queue copies of
         the parent's written blocks into it (handed out by the next act call).
 
-        Mutates the group's spares and the pending copies. Raises KVCapacityError when the
-        request has no spare region (more samples than it reserved)."""
+        The parent's blocks stay intact until then even if it is freed first (an EOS
+        sample): only a forward pass rewrites them, and every forward follows an act
+        call. Mutates the group's spares and the pending copies. Raises KVCapacityError
+        when the request has no spare region (more samples than it reserved)."""
         parent = self._seq(parent_seq_id)
         if child_seq_id in self._seqs:
             raise ValueError(f"fork: seq {child_seq_id} already exists")

@@ -9,6 +9,7 @@ scratch each step and ranks all (beam, token) continuations in plain Python.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sampler import SampleKey, Sampler
 from kvbench.model import DenseKVCache, LlamaModel
-from kvbench.specs import HardwareSpec, ModelSpec
+from kvbench.sizing import weight_bytes
+from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 from kvbench.types import EngineContext, Request
 
 SPEC = ModelSpec()  # tiny-gqa: 4 layers, 8 q heads, 2 kv heads, head dim 32, vocab 4096
@@ -298,10 +300,33 @@ def test_invalid_parameters_name_the_field(model, params, message):
     assert str(info.value).startswith(message)
 
 
-def test_sim_mode_without_executor_is_a_clear_error():
-    ctx = EngineContext(spec=SPEC, hardware=HardwareSpec(), model=None, mode="sim")
+def test_sim_mode_builds_the_cost_model_executor_and_sizes_the_pool(capsys):
+    from kvbench.engines.sim_executor import CostModelExecutor
+
+    hw = HardwareSpec(memory_bytes=1024**3)
+    ctx = EngineContext(spec=SPEC, hardware=hw, model=None, mode="sim")
+    explicit = PagedEngine(ctx, num_blocks=40)
+    assert isinstance(explicit.executor, CostModelExecutor) and explicit.num_blocks == 40
+    assert "40 blocks x 16 tokens" in capsys.readouterr().out
+    # kv_memory_bytes=None: (1 GiB x 0.5 - fp32 weights - 1 GiB reserve) is negative...
+    with pytest.raises(SpecError, match="does not fit"):
+        PagedEngine(ctx, kv_memory_bytes=None, gpu_memory_utilization=0.5)
+    # ...and with 4 GiB there is room: the pool is derived like a real engine's.
+    big = dataclasses.replace(ctx, hardware=dataclasses.replace(hw, memory_bytes=4 * 1024**3))
+    derived = PagedEngine(big, kv_memory_bytes=None, gpu_memory_utilization=0.5)
+    per_block = derived.bytes_per_block
+    assert derived.num_blocks == (2 * 1024**3 - weight_bytes(SPEC, "fp32") - 1024**3) // per_block
+    assert f"{derived.num_blocks:,} blocks x 16 tokens" in capsys.readouterr().out
+
+
+def test_real_mode_needs_a_model_and_a_pool_size(model):
+    ctx = EngineContext(spec=SPEC, hardware=HardwareSpec(), model=None, mode="real")
     with pytest.raises(ValueError, match="ctx.model is None"):
         PagedEngine(ctx)
+    with pytest.raises(ValueError, match="engine.kv_memory_bytes: null sizes the pool"):
+        PagedEngine(dataclasses.replace(ctx, model=model), kv_memory_bytes=None)
+    with pytest.raises(ValueError, match="engine.gpu_memory_utilization"):
+        PagedEngine(dataclasses.replace(ctx, model=model), gpu_memory_utilization=1.5)
 
 
 @pytest.mark.gpu

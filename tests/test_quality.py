@@ -82,7 +82,7 @@ class RecentWindowBackend:
         return 0 if self.k[0] is None else self.k[0].shape[0]
 
     def kv_bytes_resident(self) -> int:
-        return self.kv_tokens_resident() * BYTES_PER_TOKEN
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -177,7 +177,7 @@ def test_perplexity_is_sane_and_needs_the_qk_unpermutation(smollm2: tuple[LlamaM
     full_text_ppl = perplexity(model, ids)
     assert 12.0 < full_text_ppl < 30.0  # measured 23.2 (Q4_1 weights, fp32 compute)
 
-    head = ids[:1024]
+    head = ids[:512]
     correct = perplexity(model, head)
     layers = [layer.self_attn for layer in model.layers]
     try:  # put the rows back in llama.cpp's order, as a loader that skips the fix would
@@ -191,7 +191,7 @@ def test_perplexity_is_sane_and_needs_the_qk_unpermutation(smollm2: tuple[LlamaM
             for attn in layers:
                 attn.q_proj.weight.copy_(unpermute_rows_for_rotate_half(attn.q_proj.weight, 9))
                 attn.k_proj.weight.copy_(unpermute_rows_for_rotate_half(attn.k_proj.weight, 3))
-    assert wrong > 100.0 and wrong > 5 * correct  # measured 369 vs 23.5
+    assert wrong > 100.0 and wrong > 5 * correct  # measured on 1,024 tokens: 369 vs 23.5
 
 
 @real_model
@@ -217,12 +217,12 @@ def test_quality_harness_on_the_real_model(smollm2: tuple[LlamaModel, Tokenizer]
 
     model, tok = smollm2
     config = QualityConfig(
-        num_text_tokens=320,
+        num_text_tokens=224,
         num_prompt_tokens=16,
         num_continuation_prompt_tokens=96,
         num_continuation_tokens=24,
         passkey_depths=(0.0, 0.5, 1.0),
-        passkey_context_tokens=400,
+        passkey_context_tokens=320,
         passkey_new_tokens=7,
     )
     ids = tok.encode(load_quality_text())

@@ -1,0 +1,488 @@
+"""The slab KV manager and engine: placement, fragmentation, waste accounting, exactness.
+
+Manager-level scenarios pin block placement and the byte counts of every kind of waste
+for hand-built arrival orders; engine-level tests run the slab under the paged engine's
+scheduler: against the dense reference on the real tiny model (token-exact), under a
+slot-tracking shadow executor on random workloads (property test), and in simulation
+mode at paper scale (Llama-3-70B on an H100's KV pool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbench.engines.dense import DenseEngine
+from kvbench.engines.executor import ExecutionResult
+from kvbench.engines.kv_manager import KVCapacityError, KVOps, PagedKVManager
+from kvbench.engines.paged import PagedEngine
+from kvbench.engines.prefix_cache import NullPrefixIndex
+from kvbench.engines.scheduler import SchedulerOutput
+from kvbench.engines.sequence import SequenceGroup
+from kvbench.engines.sim_executor import simulated_engine
+from kvbench.engines.slab import (
+    BestFit,
+    FirstFit,
+    FreeRuns,
+    MaxLenReservation,
+    RequestReservation,
+    SlabEngine,
+    SlabKVManager,
+)
+from kvbench.metrics import summarize
+from kvbench.model import LlamaModel
+from kvbench.runner import SimClock, replay
+from kvbench.specs import HardwareSpec, ModelSpec
+from kvbench.types import EngineContext, Request, Workload
+from kvbench.workloads.synthetic import random_requests
+
+SPEC = ModelSpec()  # tiny-gqa fp32: 2 * 4 layers * 2 kv heads * 32 dims * 4 B = 2,048 B per token
+BPT = 2048
+
+
+def req(rid: str, prompt_len: int, max_new: int, **kw) -> Request:
+    return Request(rid, 0.0, tuple(range(3, 3 + prompt_len)), max_new, **kw)
+
+
+# --------------------------------------------------------------------------- manager scenarios
+class Directory:
+    """A GroupDirectory for driving the manager without a scheduler."""
+
+    def __init__(self) -> None:
+        self.waiting: list[SequenceGroup] = []
+        self.groups: dict[int, SequenceGroup] = {}
+        self._next_seq_id = 0
+
+    def group_of(self, seq_id: int) -> SequenceGroup:
+        return self.groups[seq_id]
+
+    def new(self, request: Request) -> int:
+        """A new group for ``request``; returns its first sequence id."""
+        seq_id = self._next_seq_id
+        self._next_seq_id += 100
+        self.groups[seq_id] = SequenceGroup(request, seq_id, seq_id, eos_token_id=2)
+        return seq_id
+
+
+def manager(
+    num_blocks: int, block_size: int, reservation=None, placement=None
+) -> tuple[SlabKVManager, Directory]:
+    kv = SlabKVManager(num_blocks, block_size, BPT, reservation or RequestReservation(), placement)
+    directory = Directory()
+    kv.bind(directory)
+    return kv, directory
+
+
+def start(kv: SlabKVManager, directory: Directory, request: Request) -> int:
+    seq_id = directory.new(request)
+    assert kv.can_allocate(seq_id, request.prompt_token_ids, request.num_prompt_tokens, None)
+    assert kv.allocate(seq_id, request.prompt_token_ids, request.num_prompt_tokens, None) == (0, KVOps())
+    kv.check()
+    return seq_id
+
+
+def test_free_runs_merge_with_both_neighbours():
+    runs = FreeRuns(12)
+    assert [runs.take(0, n) for n in (3, 2, 4)] == [0, 3, 5]
+    assert (runs.starts, runs.lengths) == ([9], [3])
+    runs.release(0, 3)  # no neighbour
+    runs.release(5, 4)  # merges with the tail run
+    assert (runs.starts, runs.lengths) == ([0, 5], [3, 7])
+    runs.release(3, 2)  # bridges both
+    assert (runs.starts, runs.lengths) == ([0], [12])
+    assert runs.num_fits(5) == 2
+
+
+@pytest.mark.parametrize("placement, expected_start", [(FirstFit(), 0), (BestFit(), 10)])
+def test_first_fit_takes_the_lowest_hole_best_fit_the_tightest(placement, expected_start):
+    # block_size 4, reservation = prompt + max_new: A 3 blocks, B 2, C 4, D 1, tail 2 free.
+    kv, directory = manager(12, 4, placement=placement)
+    a = start(kv, directory, req("A", 11, 1))
+    b = start(kv, directory, req("B", 7, 1))
+    c = start(kv, directory, req("C", 15, 1))
+    d = start(kv, directory, req("D", 3, 1))
+    assert [kv.region_of(s) for s in (a, b, c, d)] == [(0, 3), (3, 2), (5, 4), (9, 1)]
+    assert kv.block_table(b) == [3, 4] and kv.slot_mapping(b, 5, 7) == [17, 18]
+    kv.free(a)  # free runs: (0, 3 blocks) and (10, 2 blocks)
+    e = start(kv, directory, req("E", 6, 2))  # 8 tokens: 2 blocks
+    assert kv.region_of(e) == (expected_start, 2)
+    assert kv.block_table(e) == [expected_start, expected_start + 1]
+
+
+def test_external_fragmentation_appears_in_a_hand_built_arrival_order():
+    kv, directory = manager(12, 4)
+    a = start(kv, directory, req("A", 12, 4))  # 4 blocks [0, 4)
+    b = start(kv, directory, req("B", 7, 1))  # 2 blocks [4, 6)
+    c = start(kv, directory, req("C", 11, 1))  # 3 blocks [6, 9)
+    d = start(kv, directory, req("D", 11, 1))  # 3 blocks [9, 12)
+    assert kv.usage().num_blocks_free == 0
+    kv.free(b)
+    kv.free(d)  # 5 blocks free, in runs of 2 and 3
+    waiting = req("E", 14, 2)  # 16 tokens: a 4-block region
+    e = directory.new(waiting)
+    directory.waiting.append(directory.groups[e])
+    assert not kv.can_allocate(e, waiting.prompt_token_ids, 14, None)
+    with pytest.raises(KVCapacityError):
+        kv.allocate(e, waiting.prompt_token_ids, 14, None)
+    usage = kv.usage()
+    assert usage.num_blocks_free == 5
+    assert usage.external_frag_bytes == 5 * 4 * BPT  # neither run fits the waiting request
+    # A paged pool of the same 12 blocks with 7 in use would admit it (4 blocks anywhere).
+    paged = PagedKVManager(12, 4, BPT, NullPrefixIndex())
+    for seq_id, length in enumerate((16, 12)):
+        paged.allocate(seq_id, list(range(length)), length, None)
+    assert paged.can_allocate(9, waiting.prompt_token_ids, 14, None)
+    # C ends: the holes merge into one 8-block run, which fits E at its start.
+    kv.free(c)
+    assert kv.usage().external_frag_bytes == 0
+    directory.waiting.clear()
+    kv.allocate(e, waiting.prompt_token_ids, 14, None)
+    assert kv.region_of(e) == (4, 4)
+    assert kv.usage().external_frag_bytes == 0  # nothing waits: free memory is just free
+    kv.free(a)
+    kv.free(e)
+    kv.check()
+    assert kv.usage().allocated_bytes == 0 and (kv.free_runs.starts, kv.free_runs.lengths) == ([0], [12])
+
+
+def test_waste_accounting_is_exact_to_the_byte():
+    # max_len 40 tokens, block_size 8: every region is 5 blocks (40 slots).
+    kv, directory = manager(20, 8, reservation=MaxLenReservation(40))
+    seq = start(kv, directory, req("A", 10, 6))  # will write 10 + 6 - 1 = 15 slots
+    kv.append(seq, 1)
+    usage = kv.usage()
+    assert usage.allocated_bytes == 40 * BPT == 5 * 8 * BPT
+    assert usage.token_bytes == 11 * BPT
+    assert usage.reserved_unused_bytes == 4 * BPT  # 15 - 11
+    assert usage.internal_frag_bytes == 25 * BPT  # 40 - 15: the max_len over-reservation
+    assert usage.external_frag_bytes == 0
+    # Per-request reservation of the same request: 16 tokens = 2 blocks, 1 slot never used.
+    kv, directory = manager(20, 8)
+    seq = start(kv, directory, req("A", 10, 6))
+    usage = kv.usage()
+    assert (usage.allocated_bytes, usage.token_bytes) == (16 * BPT, 10 * BPT)
+    assert (usage.reserved_unused_bytes, usage.internal_frag_bytes) == (5 * BPT, 1 * BPT)
+    assert (usage.num_blocks_in_use, usage.num_blocks_free, usage.capacity_bytes) == (2, 18, 20 * 8 * BPT)
+
+
+def test_parallel_samples_reserve_a_region_each_and_copy_the_prompt():
+    kv, directory = manager(9, 4)
+    request = req("S", 6, 3, n=3, temperature=1.0)  # 9 tokens: 3 blocks per sample
+    parent = start(kv, directory, request)
+    assert kv.region_of(parent) == (0, 3)
+    # Three regions reserved at admission; the two spares will hold 6 + 3 - 1 = 8 slots each.
+    usage = kv.usage()
+    assert usage.allocated_bytes == 9 * 4 * BPT and usage.token_bytes == 6 * BPT
+    assert usage.reserved_unused_bytes == (2 + 8 + 8) * BPT
+    assert usage.internal_frag_bytes == 3 * (12 - 8) * BPT
+    group = directory.groups[parent]
+    for child in (parent + 1, parent + 2):
+        kv.fork(parent, child)
+        directory.groups[child] = group
+    assert [kv.region_of(s)[0] for s in (parent + 1, parent + 2)] == [3, 6]
+    assert kv.num_tokens(parent + 2) == 6 and kv.block_table(parent + 2) == [6, 7]
+    kv.check()
+    # The prompt's 2 written blocks are copied into each sample's region by the next act call.
+    ops = kv.append(parent, 1)
+    assert ops.copies == ((0, 3), (1, 4), (0, 6), (1, 7))
+    assert kv.append(parent + 1, 1).is_empty
+    with pytest.raises(KVCapacityError, match="no reserved region left"):
+        kv.fork(parent, parent + 3)
+    # Samples go back to the arena as they finish (no more forks can come).
+    kv.free(parent + 1)
+    assert kv.usage().num_blocks_in_use == 6
+    kv.free(parent)
+    kv.free(parent + 2)
+    kv.check()
+    assert kv.usage().num_blocks_in_use == 0
+
+
+def test_misuse_is_a_clear_error():
+    kv = SlabKVManager(8, 4, BPT, RequestReservation())
+    with pytest.raises(RuntimeError, match="not bound to a scheduler"):
+        kv.can_allocate(0, [3, 4], 2, None)
+    kv, directory = manager(8, 4)
+    seq = start(kv, directory, req("A", 4, 4))
+    with pytest.raises(ValueError, match="already exists"):
+        kv.allocate(seq, [3], 1, None)
+    with pytest.raises(KVCapacityError, match="region has 8"):
+        kv.append(seq, 5)
+    with pytest.raises(KeyError, match="unknown seq 7"):
+        kv.num_tokens(7)
+    assert not kv.can_swap_out(seq)
+    with pytest.raises(ValueError, match="already bound"):
+        kv.bind(directory)
+
+
+# --------------------------------------------------------------------------- shadow executor
+class ShadowExecutor:
+    """Tensor-free executor: remembers which token each KV slot holds and checks that every
+    position a chunk attends to holds that sequence's token (after the step's copies)."""
+
+    def __init__(self, block_size: int, vocab_size: int, random_logits: bool) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(0) if random_logits else None
+        self.slots: dict[int, int] = {}
+        self.engine: PagedEngine | None = None
+
+    def describe(self) -> dict:
+        return {"executor": "shadow"}
+
+    def execute(self, output: SchedulerOutput) -> ExecutionResult:
+        for op in output.kv_ops:
+            assert not op.swap_in and not op.swap_out
+            moved = {
+                dst * self.block_size + i: self.slots.get(src * self.block_size + i)
+                for src, dst in op.copies
+                for i in range(self.block_size)
+            }
+            self.slots.update({slot: token for slot, token in moved.items() if token is not None})
+        bs = self.block_size
+        for chunk in output.chunks:
+            seq = self.engine.scheduler._seqs[chunk.seq_id][1]
+            for pos in range(chunk.start_pos):
+                slot = chunk.block_table[pos // bs] * bs + pos % bs
+                assert self.slots.get(slot) == seq.token_ids[pos], f"seq {chunk.seq_id} position {pos}"
+        for chunk in output.chunks:
+            for offset, token in enumerate(chunk.token_ids):
+                pos = chunk.start_pos + offset
+                self.slots[chunk.block_table[pos // bs] * bs + pos % bs] = token
+        if self.generator is None:
+            return ExecutionResult(logits=None, modeled_duration_s=0.0)
+        return ExecutionResult(
+            torch.randn(output.num_sampling_chunks, self.vocab_size, generator=self.generator)
+        )
+
+
+def shadow_engine(spec: ModelSpec, random_logits: bool = False, **params) -> SlabEngine:
+    shadow = ShadowExecutor(params.get("block_size", 16), spec.vocab_size, random_logits)
+    ctx = EngineContext(spec=spec, hardware=HardwareSpec(), model=None, mode="sim")
+    engine = SlabEngine(ctx, executor=shadow, **params)
+    shadow.engine = engine
+    return engine
+
+
+def drive(engine, requests: list[Request], max_steps: int = 5000):
+    for request in requests:
+        engine.add_request(request)
+    finished, rejected, outputs = {}, {}, []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return finished, rejected, outputs
+        out = engine.step()
+        if isinstance(engine, PagedEngine):
+            engine.kv.check()
+            engine.scheduler.check()
+        outputs.append(out)
+        finished.update((f.request_id, f) for f in out.finished)
+        rejected.update((r.request_id, r) for r in out.rejected)
+    raise AssertionError("engine did not finish")
+
+
+def test_engine_waits_for_a_contiguous_region_and_reports_waste_per_step():
+    # The manager scenario above, through the scheduler: B and D finish after their
+    # prefill, leaving holes of 2 and 3 blocks that E (4 blocks) cannot use.
+    requests = [req("A", 6, 10), req("B", 7, 1), req("C", 2, 10), req("D", 11, 1), req("E", 6, 10)]
+    engine = shadow_engine(SPEC, block_size=4, num_blocks=12, reserve="request")
+    finished, rejected, outputs = drive(engine, requests)
+    assert not rejected and sorted(finished) == ["A", "B", "C", "D", "E"]
+    assert outputs[0].first_scheduled == ("A", "B", "C", "D")
+    second = outputs[1].stats
+    assert (second.num_running, second.num_waiting, second.kv.num_blocks_free) == (2, 1, 5)
+    # A: 7 slots of 16, will write 15; C: 3 slots of 12, will write 11.
+    assert second.kv.allocated_bytes == 7 * 4 * BPT
+    assert second.kv.token_bytes == (7 + 3) * BPT
+    assert second.kv.reserved_unused_bytes == (8 + 8) * BPT
+    assert second.kv.internal_frag_bytes == (1 + 1) * BPT
+    assert second.kv.external_frag_bytes == 5 * 4 * BPT
+    # C writes its last token in step 9 and frees its region, next to both holes; the
+    # merged 8-block run fits E, which starts in step 10.
+    start_step = next(i for i, o in enumerate(outputs) if "E" in o.first_scheduled)
+    assert start_step == 10
+    assert [o.stats.kv.external_frag_bytes // (4 * BPT) for o in outputs[1:start_step]] == [5] * 8 + [0]
+    assert engine.describe()["slab_reserve"] == "request"
+
+
+def test_requests_larger_than_the_arena_are_rejected_at_once():
+    engine = shadow_engine(SPEC, block_size=16, num_blocks=200)  # max_len 2048: 128 blocks a sequence
+    finished, rejected, _ = drive(engine, [req("two", 8, 4, n=2, temperature=1.0), req("one", 8, 4)])
+    assert sorted(finished) == ["one"]
+    assert "2 x 128 blocks (max_len) exceeds the arena of 200 blocks" in rejected["two"].reason
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [({"reserve": "pow2"}, "engine.reserve"), ({"placement": "worst_fit"}, "engine.placement"),
+     ({"block_size": 12}, "engine.block_size"), ({"kv_memory_bytes": 100}, "engine.kv_memory_bytes")],
+)  # fmt: skip
+def test_invalid_parameters_name_the_field(params, message):
+    with pytest.raises(ValueError, match=message):
+        shadow_engine(SPEC, **params)
+
+
+request_st = st.tuples(
+    st.integers(1, 40),  # prompt length
+    st.integers(1, 12),  # max_new_tokens
+    st.sampled_from(["single", "n", "beam"]),
+    st.integers(2, 3),  # n or beam width
+    st.booleans(),  # ignore_eos
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=st.lists(request_st, min_size=1, max_size=8),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(4, 64),
+    max_num_batched_tokens=st.integers(3, 48),  # >= the widest beam (else rejected for budget)
+    max_num_seqs=st.integers(3, 8),
+    reserve=st.sampled_from(["max_len", "request"]),
+    placement=st.sampled_from(["first_fit", "best_fit"]),
+    random_logits=st.booleans(),
+)
+def test_random_workloads_keep_every_slot_right(
+    requests, block_size, num_blocks, max_num_batched_tokens, max_num_seqs, reserve, placement, random_logits
+):
+    spec = ModelSpec(vocab_size=64, max_position_embeddings=64)  # a small vocabulary makes EOS common
+    engine = shadow_engine(
+        spec, random_logits, block_size=block_size, num_blocks=num_blocks, reserve=reserve,
+        placement=placement, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+    )  # fmt: skip
+    built = []
+    for i, (prompt_len, max_new, kind, width, ignore_eos) in enumerate(requests):
+        extra = (
+            {"n": width, "temperature": 1.0}
+            if kind == "n"
+            else {"beam_width": width}
+            if kind == "beam"
+            else {}
+        )
+        built.append(
+            Request(f"r{i}", 0.0, tuple(range(3, 3 + prompt_len)), max_new, ignore_eos=ignore_eos, **extra)
+        )
+    finished, rejected, outputs = drive(engine, built)
+    assert set(finished) | set(rejected) == {r.request_id for r in built}
+    for request in built:  # only a request whose regions exceed the arena is turned away
+        assert (request.request_id in rejected) == (engine.slab.num_blocks_needed(request) > num_blocks)
+    assert all(o.stats.num_preemptions == 0 for o in outputs)  # a reservation never runs out
+    assert engine.kv.usage().allocated_bytes == 0
+
+
+# --------------------------------------------------------------------------- real model
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    torch.set_num_threads(1)
+    return LlamaModel.random(SPEC, seed=0)
+
+
+def mixed_requests() -> list[Request]:
+    gen = torch.Generator().manual_seed(1)
+
+    def prompt(length: int) -> tuple[int, ...]:
+        return tuple(torch.randint(3, SPEC.vocab_size, (length,), generator=gen).tolist())
+
+    shapes = [(5, 7), (73, 5), (17, 9), (90, 4), (1, 6), (61, 8), (30, 12)]
+    requests = [Request(f"r{i}", 0.0, prompt(n), m) for i, (n, m) in enumerate(shapes)]
+    requests.append(Request("sampled", 0.0, prompt(49), 6, n=3, temperature=0.8))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def dense_outputs(model):
+    ctx = EngineContext(
+        spec=SPEC, hardware=HardwareSpec(), model=model, device="cpu", kv_dtype="fp32", seed=0
+    )
+    finished, rejected, _ = drive(DenseEngine(ctx, max_num_seqs=16), mixed_requests())
+    assert not rejected
+    return {rid: f.output_token_ids for rid, f in finished.items()}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"reserve": "max_len", "num_blocks": 600},  # 4 regions of 128 blocks at a time
+        {"reserve": "request", "num_blocks": 24, "placement": "best_fit", "max_num_batched_tokens": 32},
+        {"reserve": "request", "num_blocks": 24, "block_size": 8, "chunked_prefill": False},
+    ],
+)
+def test_mixed_batch_matches_the_dense_reference(model, dense_outputs, params):
+    ctx = EngineContext(
+        spec=SPEC, hardware=HardwareSpec(), model=model, device="cpu", kv_dtype="fp32", seed=0
+    )
+    engine = SlabEngine(ctx, decode_backend="torch", **params)
+    finished, rejected, outputs = drive(engine, mixed_requests())
+    assert not rejected
+    assert {rid: f.output_token_ids for rid, f in finished.items()} == dense_outputs
+    assert max(o.stats.num_waiting for o in outputs) > 0  # the arena made some requests wait
+    assert engine.slab.num_fork_copies > 0  # the sampled request's prompt was copied twice
+
+
+def test_beam_search_matches_the_paged_engine(model):
+    # The paged engine's beams are checked against a brute-force reference in its own tests.
+    request = Request("beam", 0.0, tuple(range(5, 30)), 6, beam_width=3)
+    ctx = EngineContext(
+        spec=SPEC, hardware=HardwareSpec(), model=model, device="cpu", kv_dtype="fp32", seed=0
+    )
+    slab, _, _ = drive(
+        SlabEngine(ctx, decode_backend="torch", reserve="request", num_blocks=24, block_size=4), [request]
+    )
+    paged, _, _ = drive(PagedEngine(ctx, decode_backend="torch", num_blocks=64), [request])
+    assert slab["beam"].output_token_ids == paged["beam"].output_token_ids
+
+
+# --------------------------------------------------------------------------- simulation mode
+def test_sim_mode_llama3_70b_batch_of_32_on_an_h100_pool():
+    """32 requests of ~800 tokens (8K limit) on Llama-3-70B's H100 KV pool (1,083 blocks):
+    the static slab admits 2 sequences at a time and most of what it holds is never used."""
+    spec = ModelSpec(
+        name="llama-3-70b", num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128,
+        hidden_size=8192, intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192, dtype="fp8",
+    )  # fmt: skip
+    h100 = HardwareSpec(
+        name="h100-80gb", memory_bytes=80 * 1024**3, hbm_bandwidth_gbps=3350.0, bf16_tflops=989.0
+    )
+    ctx = EngineContext(spec, h100, None, "cpu", "bf16", 0, "sim")
+    workload = random_requests(
+        32, {"kind": "uniform", "low": 300, "high": 900}, {"kind": "uniform", "low": 100, "high": 300},
+        vocab_size=spec.vocab_size, seed=0,
+    )  # fmt: skip
+    workload = Workload(
+        workload.name, tuple(dataclasses.replace(r, arrival_s=0.0) for r in workload.requests)
+    )
+    summaries = {}
+    for name, engine in (("paged", PagedEngine), ("slab", SlabEngine)):
+        built = simulated_engine(ctx, engine=engine, max_num_seqs=256, max_num_batched_tokens=8192)
+        assert built.num_blocks == 1083
+        raw = replay(built, workload, SimClock())
+        summaries[name] = summarize(raw.requests, raw.steps, {})
+        assert summaries[name]["num_completed"] == 32
+    paged, slab = summaries["paged"], summaries["slab"]
+    assert slab["peak_num_running"] == 2 < paged["peak_num_running"]  # 1,083 // 512-block regions
+    assert slab["kv_token_fraction_mean"] < 0.15 < 0.9 < paged["kv_token_fraction_mean"]
+    assert slab["kv_internal_frag_bytes_at_peak"] > 0.8 * slab["kv_peak_allocated_bytes"]
+    assert slab["output_tokens_per_s"] < paged["output_tokens_per_s"]
+
+
+def test_seed_claims_slab_experiment_sweeps_the_engine_under_the_sim_wrapper(tmp_path: Path):
+    """The experiment loads conf/engine/<name> into engine.engine (simulated_engine's factory)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "sweep", "+experiment=seed_claims_slab", "run.report=false",
+         "hydra.sweeper.params.hardware=h100-80gb", "hydra.sweeper.params.workload=chat"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    runs = pd.read_parquet(tmp_path / "results" / "seed_claims_slab" / "runs.parquet").set_index("engine")
+    assert sorted(runs.index) == ["paged", "slab", "slab_request"]
+    assert (runs["status"] == "ok").all() and (runs["executor"] == "cost_model").all()
+    fraction = runs["kv_token_fraction_mean"]
+    assert fraction["slab"] < fraction["slab_request"] < fraction["paged"]
+    assert runs.loc["slab", "peak_num_running"] == 2  # 1,083 blocks hold two 8K regions
