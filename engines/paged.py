@@ -134,7 +134,10 @@ class PagedEngine:
             # Simulation mode: the cost-model executor, and (num_blocks still None) the pool
             # a real engine would get on ctx.hardware; sim_setup prints the one-line plan.
             num_blocks, executor = sim_setup(
-                ctx, block_size=block_size, num_blocks=num_blocks, gpu_memory_utilization=gpu_memory_utilization
+                ctx,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                gpu_memory_utilization=gpu_memory_utilization,
             )
         if num_blocks is None:
             raise ValueError(

@@ -39,10 +39,9 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvbench.engines.kv_manager import NO_OPS
 from kvbench.engines.sequence import GroupStatus, Sequence, SequenceGroup
 from kvbench.types import FinishedRequest, RejectedRequest, Request
-
-from kvbench.engines.kv_manager import NO_OPS
 
 if TYPE_CHECKING:
     from kvbench.engines.kv_manager import KVOps, PagedKVManager
