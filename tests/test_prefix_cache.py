@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from kvbench.engines.block_pool import BlockPool
 from kvbench.engines.kv_manager import PagedKVManager
-from kvbench.engines.prefix_cache import NO_MATCH, BlockHashPrefixIndex, NullPrefixIndex, PrefixIndex
+from kvbench.engines.prefix_cache import (
+    NO_MATCH,
+    BlockHashPrefixIndex,
+    BlockKeyChain,
+    KeyedTokenIds,
+    NullPrefixIndex,
+    PrefixIndex,
+)
 from kvbench.engines.radix_cache import RadixPrefixIndex
 
 BS = 4
@@ -147,3 +154,39 @@ def test_hit_counts_equal_the_longest_cached_prefix(committed, query):
     best = min(len(query) - 1, max(_lcp(query, t) for t in committed))
     assert hits["radix"] == best
     assert hits["hash"] == best // BS * BS
+
+
+def test_keyed_token_ids_hash_each_block_once_and_forks_keep_the_keys(monkeypatch):
+    m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex())
+    tokens = KeyedTokenIds(range(10, 23))  # 13 tokens: 3 full blocks
+    calls = []
+    extend = BlockKeyChain.extend
+    monkeypatch.setattr(BlockKeyChain, "extend", lambda self, t, n: calls.append(n) or extend(self, t, n))
+    for _ in range(3):  # a waiting sequence re-matched every step: keys computed lazily, once
+        assert m.num_cached_tokens(tokens, None) == 0
+    assert calls == [1]  # block 0 hashed once; the first miss ends the walk
+    m.allocate(0, tokens, 13, None)
+    m.commit(0, tokens)
+    assert calls == [1, 3]  # commit continues the same chain: blocks 1 and 2, once each
+    assert len(tokens.key_chain.keys) == 3 and m.prefix_index.num_cached_blocks == 3
+    chain = tokens.key_chain
+    child = tokens.copy()
+    assert child == tokens and child.key_chain is not chain and child.key_chain.keys == chain.keys
+    # A second sequence with the same prompt (a plain list) attaches the three blocks.
+    assert m.num_cached_tokens(list(tokens) + [99], None) == 12
+    # Same chain, different salt: a new chain (salted keys never match unsalted blocks).
+    assert m.num_cached_tokens(tokens + [99], "salt") == 0
+    assert tokens.chain(BS, "salt") is not chain
+    m.check()
+
+
+def test_hash_index_compares_whole_keys_on_a_hash_hit():
+    pool, index = bound(BlockHashPrefixIndex())
+    blocks = pool.allocate_many(2)
+    index.acquire(0, NO_MATCH)
+    index.commit(0, [1, 2, 3, 4, 5, 6, 7, 8], blocks, None)
+    # Forge a colliding hash entry: the stored key differs, so the lookup must miss.
+    (h,) = [h for h, b in index._hash_to_block.items() if b == blocks[0]]
+    index._block_key[blocks[0]] = (None, (9, 9, 9, 9), None)
+    assert index.match([1, 2, 3, 4, 5], None) == NO_MATCH
+    assert h in index._hash_to_block
