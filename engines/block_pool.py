@@ -30,6 +30,15 @@ Free list picture (head is reused first)::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from operator import itemgetter
+
+
+def gather(values: list[int], indexes: tuple[int, ...]) -> tuple[int, ...]:
+    """``tuple(values[i] for i in indexes)`` in one C-level call (itemgetter), for the
+    1,000-block prefixes of long prompts."""
+    if len(indexes) > 1:
+        return itemgetter(*indexes)(values)
+    return (values[indexes[0]],) if indexes else ()
 
 
 class BlockPool:
@@ -90,6 +99,11 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
+
+    def num_unreferenced(self, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` have no reference (free or cached-free). Pure; one
+        C-level pass, since prefix matches of long prompts ask this of 1,000+ blocks."""
+        return gather(self._ref, tuple(block_ids)).count(0)
 
     def soft_count(self, block_id: int) -> int:
         return self._soft[block_id]

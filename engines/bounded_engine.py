@@ -161,8 +161,7 @@ class BoundedExecutor:
 
         Returns fp32 logits [num_sampling_chunks, vocab] in chunk order."""
         self.pool.apply_ops(output.kv_ops)
-        for seq_id in self.manager.pop_released():
-            self.states.pop(seq_id, None)
+        self.drop_released()
         chunks = output.chunks
         vocab = self.model.spec.vocab_size
         if not chunks:
@@ -198,6 +197,11 @@ class BoundedExecutor:
                 rows.append(offset + n - 1)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         return ExecutionResult(logits=logits)
+
+    def drop_released(self) -> None:
+        """Forget the slot state (and host store) of sequences the KV manager freed."""
+        for seq_id in self.manager.pop_released():
+            self.states.pop(seq_id, None)
 
     def _slots_for(self, seq_id: int, start_pos: int) -> SequenceSlots:
         if start_pos == 0:  # a new sequence, or one restarting after a recompute preemption
@@ -379,6 +383,8 @@ class BoundedCacheEngine:
         evicted0 = kv.num_evicted_tokens
         counters0 = self._counters().snapshot()
         out = self.paged.step()
+        if isinstance(self.executor, BoundedExecutor):
+            self.executor.drop_released()  # finished this step: free their host stores now
         counters = self._counters()
         evicted = kv.num_evicted_tokens - evicted0
         evicted_bytes = evicted * self.bytes_per_token if kv.keeps_evicted_kv else 0
@@ -430,12 +436,11 @@ class BoundedCacheEngine:
             host_bytes_to=sum(r["bytes_to_host"] for r in self.transfer_log),
             host_bytes_from=sum(r["bytes_from_host"] for r in self.transfer_log),
             modeled_transfer_s=sum(r["modeled_transfer_s"] for r in self.transfer_log),
+            # None (JSON null) where nothing was measured: no fetch, or no CUDA copy timing.
             fetch_recall=(
-                counters.recall_sum / counters.num_recall_samples
-                if counters.num_recall_samples
-                else float("nan")
+                counters.recall_sum / counters.num_recall_samples if counters.num_recall_samples else None
             ),
-            measured_copy_s=counters.measured_copy_s if counters.measured else float("nan"),
+            measured_copy_s=counters.measured_copy_s if counters.measured else None,
             **self.tier.describe(),
         )
         return facts

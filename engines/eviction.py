@@ -325,7 +325,6 @@ class SequenceSlots:
         self.scores = torch.zeros(num_layers, num_kv_heads, self.group, budget, device=device)
         self.num_filled = 0
         self.num_evicted_tokens = 0  # cumulative, in tokens (one per layer-and-head entry set)
-        self._heads = torch.arange(num_kv_heads, device=device)
         # This step's plan (set by begin_step).
         self._start = 0
         self._num_new = 0

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -57,7 +57,7 @@ class HostOffload:
 
     max_fetch_tokens: int = 8
     channel_share: float = 0.25
-    keeps_evicted_kv: bool = True
+    keeps_evicted_kv: ClassVar[bool] = True  # evicted KV is host-resident (KVUsage.host_bytes)
 
     def validate(self) -> None:
         if self.max_fetch_tokens < 0:

@@ -17,6 +17,7 @@ last prompt token (sharing every prompt block); beams are ranked jointly every s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,6 +76,11 @@ def rank_beam_candidates(
 class PagedEngine:
     """Paged KV engine; see the module docstring. Parameters mirror ``conf/engine/paged.yaml``.
 
+    Variants plug in a KV manager with ``PagedKVManager``'s interface: ``kv_manager`` (built
+    by the caller for this pool) or ``kv_manager_factory(num_blocks, block_size,
+    bytes_per_token)``, called once the engine has sized the pool. A manager may define
+    ``reject_reason(request) -> str | None`` to reject requests it can never hold.
+
     Raises ValueError naming ``engine.<parameter>`` for an invalid parameter.
     """
 
@@ -97,6 +103,7 @@ class PagedEngine:
         decode_backend: str = "auto",
         executor: Executor | None = None,
         kv_manager: PagedKVManager | None = None,
+        kv_manager_factory: Callable[[int, int, int], Any] | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"engine.block_size: must be a power of two, got {block_size}")
@@ -110,6 +117,8 @@ class PagedEngine:
             )
         if num_host_blocks < 0:
             raise ValueError(f"engine.num_host_blocks: must be >= 0, got {num_host_blocks}")
+        if kv_manager is not None and kv_manager_factory is not None:
+            raise ValueError("engine.kv_manager: give kv_manager or kv_manager_factory, not both")
         self.name = name
         self.ctx = ctx
         spec = ctx.spec
@@ -163,6 +172,10 @@ class PagedEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         # Variants (slab, H2O, offload) pass their own manager with the same interface;
         # its pool must match num_blocks / block_size so the executor's tensors fit it.
+        # A factory gets the pool this engine sized (num_blocks, block_size,
+        # bytes_per_token), so variants do not repeat the sizing rule.
+        if kv_manager is None and kv_manager_factory is not None:
+            kv_manager = kv_manager_factory(num_blocks, block_size, self.bytes_per_token)
         self.kv = kv_manager or PagedKVManager(
             num_blocks, block_size, self.bytes_per_token, PREFIX_INDEXES[prefix_cache](), num_host_blocks
         )

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvbench.engines.block_pool import BlockPool
+from kvbench.engines.block_pool import BlockPool, gather
 
 
 @dataclass(frozen=True)
@@ -167,15 +167,23 @@ class BlockKeyChain:
     a prompt; this is that cache. It is valid for one append-only token sequence, one
     block size and one extra key: full blocks never change as the sequence grows, so keys
     are only ever appended. ``extend`` is O(new blocks x block_size).
+
+    It also memoises the last match of the chain against one index (``match_owner``,
+    ``match_blocks``, ``match_epochs``): a waiting sequence is matched every step it stays
+    blocked, and re-walking a 1,000-block prefix in Python each time dominated long-prompt
+    traces. The index revalidates the memo itself (``BlockHashPrefixIndex.match``).
     """
 
-    __slots__ = ("block_size", "extra_key", "keys", "hashes")
+    __slots__ = ("block_size", "extra_key", "keys", "hashes", "match_owner", "match_blocks", "match_epochs")
 
     def __init__(self, block_size: int, extra_key: str | None) -> None:
         self.block_size = block_size
         self.extra_key = extra_key
         self.keys: list[BlockKey] = []
         self.hashes: list[int] = []  # hashes[i] == hash(keys[i]): block i + 1's parent
+        self.match_owner: object | None = None  # the index the memo belongs to
+        self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
+        self.match_epochs: tuple[int, ...] = ()  # each block's registration epoch then
 
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
         """Compute keys up to block ``num_blocks - 1`` (no-op when already there). Mutates the
@@ -264,6 +272,8 @@ class BlockHashPrefixIndex:
         self._block_key: dict[int, BlockKey] = {}
         self._seqs: dict[int, _SeqHashState] = {}
         self._num_evicted_blocks = 0
+        # Per block: how many times its registration was dropped (match memo validity).
+        self._epoch: list[int] = []
 
     # ------------------------------------------------------------------ protocol
     def bind(self, pool: BlockPool, block_size: int) -> None:
@@ -273,30 +283,49 @@ class BlockHashPrefixIndex:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self._pool = pool
         self._block_size = block_size
+        self._epoch = [0] * pool.num_blocks
         pool.set_reuse_listener(self._on_block_reused)
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
+        """See ``PrefixIndex.match``. Pure as far as the cache goes; it memoises the walk on
+        the sequence's key chain. A memoised block whose registration epoch is unchanged
+        is still registered under the same key (registrations are only dropped when the
+        pool reuses the block, which bumps its epoch), so only the walk past the memo and
+        an O(blocks) C-level epoch comparison remain: O(new blocks) Python work."""
         pool = self._bound_pool()
         bs = self._block_size
         num_full = max(len(token_ids) - 1, 0) // bs
         chain = self._chain(token_ids, extra_key)
         keys, hashes = chain.keys, chain.hashes
-        blocks: list[int] = []
-        num_taken = 0
+        epoch = self._epoch
+        blocks: tuple[int, ...] = ()
+        epochs: tuple[int, ...] = ()
+        if chain.match_owner is self:
+            blocks, epochs = chain.match_blocks, chain.match_epochs
+            if len(blocks) > num_full:
+                blocks, epochs = blocks[:num_full], epochs[:num_full]
+            now = gather(epoch, blocks)
+            if now != epochs:
+                valid = next(i for i, (a, b) in enumerate(zip(now, epochs)) if a != b)
+                blocks, epochs = blocks[:valid], epochs[:valid]
         lookup, block_key = self._hash_to_block, self._block_key
-        for i in range(num_full):
+        found: list[int] = []
+        for i in range(len(blocks), num_full):
             if i == len(keys):
                 chain.extend(token_ids, i + 1)  # lazily: a miss ends the walk
             block = lookup.get(hashes[i])
             if block is None or block_key[block] != keys[i]:
                 break
-            blocks.append(block)
-            if pool.ref_count(block) == 0:
-                num_taken += 1  # revived from the free list
+            found.append(block)
+        if found:
+            blocks = blocks + tuple(found)
+            epochs = epochs + tuple(epoch[b] for b in found)
+        chain.match_owner, chain.match_blocks, chain.match_epochs = self, blocks, epochs
+        num_taken = pool.num_unreferenced(blocks)  # cached-free blocks revived from the free list
         if not blocks:
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
             return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyedTokenIds) else NO_MATCH
-        return PrefixMatch(len(blocks) * bs, tuple(blocks), num_taken, handle=chain)
+        return PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
         if seq_id in self._seqs:
@@ -381,6 +410,7 @@ class BlockHashPrefixIndex:
         # The pool is about to overwrite a cached-free block: forget it (lazy eviction).
         key = self._block_key.pop(block_id)
         del self._hash_to_block[hash(key)]
+        self._epoch[block_id] += 1
         self._num_evicted_blocks += 1
 
     def _chain(self, token_ids: Sequence[int], extra_key: str | None) -> BlockKeyChain:

@@ -259,6 +259,12 @@ class Scheduler:
                 f"prompt {request.num_prompt_tokens} tokens exceeds engine.max_num_batched_tokens="
                 f"{cfg.max_num_batched_tokens} with chunked_prefill off"
             )
+        # Optional manager hook: a manager with its own capacity rule (the slab reserves
+        # whole regions) names why it can never hold the request; None lets it through.
+        reject = getattr(self.kv, "reject_reason", None)
+        reason = reject(request) if reject is not None else None
+        if reason is not None:
+            return reason
         needed = self.num_blocks_needed(request)
         if needed > self.kv.num_blocks:
             return f"needs {needed} KV blocks of {self.block_size} tokens, the whole pool has {self.kv.num_blocks}"

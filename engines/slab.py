@@ -45,15 +45,13 @@ The manager learns which request a sequence serves, and what waits, from a
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbench.engines.executor import Executor
 from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps
 from kvbench.engines.paged import PagedEngine
-from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
-from kvbench.types import EngineContext, KVUsage, RejectedRequest, Request, StepOutput
+from kvbench.types import EngineContext, KVUsage, Request
 
 if TYPE_CHECKING:
     from kvbench.engines.sequence import SequenceGroup
@@ -285,6 +283,17 @@ class SlabKVManager:
         """Blocks ``request`` reserves when admitted: one region per sample or beam."""
         num_samples = request.beam_width if request.beam_width > 1 else request.n
         return num_samples * self.region_num_blocks(request)
+
+    def reject_reason(self, request: Request) -> str | None:
+        """Why the arena can never hold ``request`` (its regions exceed it), else None.
+        The scheduler's static check calls it (optional manager hook). Pure."""
+        if self.num_blocks_needed(request) <= self.num_blocks:
+            return None
+        num_samples = request.beam_width if request.beam_width > 1 else request.n
+        return (
+            f"slab reservation of {num_samples} x {self.region_num_blocks(request)} blocks "
+            f"({self.reservation.name}) exceeds the arena of {self.num_blocks} blocks"
+        )
 
     # ------------------------------------------------------------------ queries
     def has_seq(self, seq_id: int) -> bool:
@@ -636,32 +645,18 @@ class SlabEngine(PagedEngine):
         if placement not in PLACEMENTS:
             raise ValueError(f"engine.placement: must be one of {tuple(PLACEMENTS)}, got {placement!r}")
         reservation = make_reservation(reserve, ctx.spec.max_position_embeddings)
-        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
-            raise ValueError(f"engine.block_size: must be a power of two, got {block_size}")
-        if num_blocks is None:
-            # The paged engine's rule (pool = kv_memory_bytes // bytes_per_block), needed
-            # here first because the manager is built before the engine.
-            if kv_memory_bytes <= 0:
-                raise ValueError(f"engine.kv_memory_bytes: must be > 0, got {kv_memory_bytes}")
-            num_blocks = kv_memory_bytes // kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)
-            if num_blocks == 0:
-                raise ValueError(
-                    f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no block of {block_size} tokens"
-                )
-        elif num_blocks <= 0:
-            raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
-        manager = SlabKVManager(
-            num_blocks,
-            block_size,
-            kv_bytes_per_token(ctx.spec, ctx.kv_dtype),
-            reservation,
-            PLACEMENTS[placement](),
-        )
+        place = PLACEMENTS[placement]()
+
+        def slab_manager(num_blocks: int, block_size: int, bytes_per_token: int) -> SlabKVManager:
+            # Built by PagedEngine once it has sized the pool (its kv_memory_bytes rule).
+            return SlabKVManager(num_blocks, block_size, bytes_per_token, reservation, place)
+
         super().__init__(
             ctx,
             name=name,
             block_size=block_size,
             num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             chunked_prefill=chunked_prefill,
@@ -670,38 +665,11 @@ class SlabEngine(PagedEngine):
             victim_policy=victim_policy,
             decode_backend=decode_backend,
             executor=executor,
-            kv_manager=manager,  # type: ignore[arg-type]  # same interface as PagedKVManager
+            kv_manager_factory=slab_manager,
         )
+        manager: SlabKVManager = self.kv  # type: ignore[assignment]  # built by slab_manager
         manager.bind(self.scheduler)
-        self.slab: SlabKVManager = manager
-        self._rejections: list[RejectedRequest] = []
-
-    def add_request(self, request: Request) -> None:
-        """Queue ``request``, or reject it (reported by the next step) when its regions
-        exceed the arena: a slab can never fit it. Mutates the queues."""
-        needed = self.slab.num_blocks_needed(request)
-        if needed > self.num_blocks:
-            num_samples = request.beam_width if request.beam_width > 1 else request.n
-            self._rejections.append(
-                RejectedRequest(
-                    request.request_id,
-                    f"slab reservation of {num_samples} x {self.slab.region_num_blocks(request)} blocks "
-                    f"({self.slab.reservation.name}) exceeds the arena of {self.num_blocks} blocks",
-                )
-            )
-            return
-        super().add_request(request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self._rejections) or super().has_unfinished()
-
-    def step(self) -> StepOutput:
-        """One iteration of the paged engine, plus rejections made at ``add_request``."""
-        output = super().step()
-        if not self._rejections:
-            return output
-        rejected, self._rejections = tuple(self._rejections), []
-        return dataclasses.replace(output, rejected=rejected + output.rejected)
+        self.slab = manager
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -190,3 +190,52 @@ def test_hash_index_compares_whole_keys_on_a_hash_hit():
     index._block_key[blocks[0]] = (None, (9, 9, 9, 9), None)
     assert index.match([1, 2, 3, 4, 5], None) == NO_MATCH
     assert h in index._hash_to_block
+
+
+# Token streams over a 2-token alphabet share prefixes often, so matches grow and shrink.
+_stream = st.lists(st.integers(3, 4), min_size=1, max_size=24)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), _stream, st.integers(0, 7)), max_size=40),
+    num_blocks=st.integers(2, 6),
+)
+def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
+    """Probes keep their match memo (on their KeyedTokenIds) across evictions, revivals
+    and new registrations; each match always equals a fresh walk over the same tokens."""
+    m = PagedKVManager(num_blocks, BS, 1, BlockHashPrefixIndex())
+    index = m.prefix_index
+    probes: list[KeyedTokenIds] = []
+    live: list[int] = []
+    for seq_id, (start, tokens, which) in enumerate(ops):
+        if start:
+            keyed = KeyedTokenIds(tokens)
+            probes.append(keyed)
+            if m.can_allocate(seq_id, keyed, len(tokens), None):
+                m.allocate(seq_id, keyed, len(tokens) - m.num_cached_tokens(keyed, None), None)
+                m.commit(seq_id, keyed)
+                live.append(seq_id)
+        elif live:
+            m.free(live.pop(which % len(live)))
+        for probe in probes:
+            memo, fresh = index.match(probe, None), index.match(tuple(probe), None)
+            assert (memo.num_tokens, memo.block_ids, memo.num_blocks_taken) == (
+                fresh.num_tokens,
+                fresh.block_ids,
+                fresh.num_blocks_taken,
+            )
+    m.check()
+
+
+def test_memoised_match_drops_blocks_the_pool_reused():
+    m = PagedKVManager(3, BS, 1, BlockHashPrefixIndex())
+    first, second = KeyedTokenIds([3] * 9), KeyedTokenIds([4] * 9)
+    m.allocate(0, first, 9, None)
+    m.commit(0, first)
+    m.free(0)
+    assert m.prefix_index.match(first, None).block_ids == (0, 1)  # memoised on `first`
+    m.allocate(1, second, 9, None)  # reuses blocks 0 and 1 (and 2)
+    m.commit(1, second)
+    memo, fresh = m.prefix_index.match(first, None), m.prefix_index.match(tuple(first), None)
+    assert (memo.num_tokens, memo.block_ids) == (fresh.num_tokens, fresh.block_ids) == (0, ())

@@ -320,3 +320,34 @@ def test_scheduler_config_errors_name_the_parameter():
         Scheduler(kv, SchedulerConfig(preemption="drop"), eos_token_id=2)
     with pytest.raises(ValueError, match=r"^engine.victim_policy: must be one of"):
         Scheduler(kv, SchedulerConfig(victim_policy="oldest"), eos_token_id=2)
+
+
+class _PickyKV(PagedKVManager):
+    """A manager with its own capacity rule: it never holds prompts longer than 8 tokens."""
+
+    def reject_reason(self, request: Request) -> str | None:
+        return "picky: prompt over 8 tokens" if request.num_prompt_tokens > 8 else None
+
+
+def test_kv_manager_factory_gets_the_sized_pool_and_its_reject_hook_is_used():
+    built = []
+
+    def factory(num_blocks: int, block_size: int, bytes_per_token: int) -> _PickyKV:
+        built.append((num_blocks, block_size, bytes_per_token))
+        return _PickyKV(num_blocks, block_size, bytes_per_token, NullPrefixIndex())
+
+    engine, _ = make_engine(block_size=4, kv_memory_bytes=4 * 1024 * 1024, kv_manager_factory=factory)
+    assert built == [(engine.num_blocks, 4, engine.bytes_per_token)]
+    assert engine.num_blocks == 4 * 1024 * 1024 // engine.bytes_per_block
+    assert isinstance(engine.kv, _PickyKV) and engine.scheduler.kv is engine.kv
+    engine.add_request(req("long", range(3, 20), 2))
+    engine.add_request(req("short", range(3, 8), 2))
+    finished, rejected, _ = run(engine)
+    assert set(finished) == {"short"}
+    assert rejected["long"].reason == "picky: prompt over 8 tokens"
+
+
+def test_kv_manager_and_factory_together_are_refused():
+    kv = PagedKVManager(8, 4, 1, NullPrefixIndex())
+    with pytest.raises(ValueError, match="engine.kv_manager"):
+        make_engine(block_size=4, num_blocks=8, kv_manager=kv, kv_manager_factory=lambda *a: kv)
