@@ -411,12 +411,16 @@ class BoundedCacheEngine:
                 ),
             }
         )
+        record = self.transfer_log[-1]
         stats = replace(
             out.stats,
             num_evicted_tokens=evicted,
             bytes_to_host=to_host,
             bytes_from_host=from_host,
             modeled_transfer_s=modeled_s,
+            fetch_recall=record["fetch_recall"],
+            num_fetched_entries=record["entries_fetched"],
+            measured_transfer_s=record["measured_copy_s"],
         )
         rejected, self._rejected = tuple(self._rejected), []
         return replace(out, stats=stats, rejected=out.rejected + rejected)

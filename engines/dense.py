@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvbench.engines.sampler import SampleKey, Sampler
-from kvbench.sizing import kv_bytes_per_token
 
+from kvbench.engines.sampler import SampleKey, Sampler
 from kvbench.model import DenseKVCache, torch_dtype
+from kvbench.sizing import kv_bytes_per_token
 from kvbench.types import (
     EngineContext,
     FinishedRequest,

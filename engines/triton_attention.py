@@ -28,6 +28,7 @@ installed this module still imports and :func:`select_decode_backend` returns th
 from collections.abc import Callable
 
 import torch
+
 from kvbench.engines.attention import (
     DecodeWorkspace,
     check_kv_cache,

@@ -198,6 +198,26 @@ METRICS: tuple[MetricDoc, ...] = (
     MetricDoc("bytes_to_host", "bytes", "lower", "sum of bytes_to_host over steps"),
     MetricDoc("bytes_from_host", "bytes", "lower", "sum of bytes_from_host over steps"),
     MetricDoc(
+        "modeled_transfer_s",
+        "s",
+        "lower",
+        "sum of modeled_transfer_s over steps: host<->device bytes over the hardware profile's PCIe "
+        "bandwidth (a model, not a measurement)",
+    ),
+    MetricDoc(
+        "measured_transfer_s",
+        "s",
+        "lower",
+        "sum of measured_transfer_s over steps: host<->device copy time timed with CUDA events (GPU only)",
+    ),
+    MetricDoc(
+        "fetch_recall_mean",
+        "fraction",
+        "higher",
+        "offload: mean over steps that fetched of the recall of the true top attention tokens among "
+        "host-resident ones by the speculative fetch",
+    ),
+    MetricDoc(
         "decode_roofline_ms_mean",
         "ms",
         "",
@@ -453,6 +473,9 @@ def _step_metrics(steps: pd.DataFrame, out: dict[str, float], missing: dict[str,
         "num_evicted_tokens",
         "bytes_to_host",
         "bytes_from_host",
+        "modeled_transfer_s",
+        "measured_transfer_s",
+        "fetch_recall_mean",
     ]
     if len(steps) == 0:
         for name in step_names:
@@ -504,8 +527,21 @@ def _step_metrics(steps: pd.DataFrame, out: dict[str, float], missing: dict[str,
         "num_evicted_tokens",
         "bytes_to_host",
         "bytes_from_host",
+        "modeled_transfer_s",
     ):
         out[name] = float(_col(steps, name).sum())
+    for name, source, why in (
+        ("measured_transfer_s", "measured_transfer_s", "no host copy was timed (CUDA only, offload engines)"),
+        ("fetch_recall_mean", "fetch_recall", "no step fetched host-resident KV (offload engines only)"),
+    ):
+        values = steps[source].to_numpy(dtype=float) if source in steps else np.array([])
+        values = values[~np.isnan(values)]
+        if source == "measured_transfer_s" and len(values):
+            out[name] = float(values.sum())
+        elif len(values):
+            out[name] = float(values.mean())
+        else:
+            missing[name] = why
 
 
 def _sharing_metric(requests: pd.DataFrame, out: dict[str, float], missing: dict[str, str]) -> None:

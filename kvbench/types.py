@@ -108,7 +108,13 @@ class StepStats:
     num_evicted_tokens: int = 0  # lossy eviction (H2O, streaming)
     bytes_to_host: int = 0
     bytes_from_host: int = 0
-    modeled_transfer_s: float = 0.0  # host transfer time from the PCIe model (CPU)
+    modeled_transfer_s: float = 0.0  # host transfer time from the PCIe model (labelled modeled)
+    # Offload: recall of the true top attention tokens among host-resident ones that the
+    # fetch picked, and the copy time measured on CUDA (side stream events). NaN when
+    # nothing was fetched / measured this step (never 0 for "not measured").
+    fetch_recall: float = float("nan")
+    num_fetched_entries: int = 0
+    measured_transfer_s: float = float("nan")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.profiler import profile
+
 from kvbench.engines import attention as attn
 from kvbench.engines.attention import (
     DecodeWorkspace,
@@ -20,7 +22,6 @@ from kvbench.engines.attention import (
     to_paged_cache,
     write_kv,
 )
-from torch.profiler import profile
 
 DECODE_FNS = [paged_decode_attention, paged_decode_attention_blockwise]
 

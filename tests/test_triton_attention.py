@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvbench.engines import triton_attention as ta
 from kvbench.engines.attention import (
     DecodeWorkspace,

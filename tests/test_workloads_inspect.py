@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
-from kvbench.workloads.inspect import format_inspect, inspect_trace, inspect_workload, main
-from kvbench.workloads.replay import ReplayOptions, replay
-from kvbench.workloads.traces import parse_trace
 from omegaconf import OmegaConf
 
 from kvbench.types import Request, Workload
+from kvbench.workloads.inspect import format_inspect, inspect_trace, inspect_workload, main
+from kvbench.workloads.replay import ReplayOptions, replay
+from kvbench.workloads.traces import parse_trace
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 CONF = Path(__file__).parent.parent / "conf" / "workload"

@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from kvbench.types import Workload
 from kvbench.workloads.distributions import (
     ClosedLoopArrivals,
     EmpiricalLength,
@@ -21,9 +24,6 @@ from kvbench.workloads.passkey import FILLER_TEXT, NEEDLE_TEXT, QUESTION_TEXT, l
 from kvbench.workloads.prefixes import SYSTEM_PROMPT_TEXT, TOOL_SCAFFOLD_TEXT, agentic, chat, rag
 from kvbench.workloads.synthetic import beam_search, best_of_n, prefix_repetition, random_requests
 from kvbench.workloads.tokens import derive_rng, keyed_token_ids
-from omegaconf import OmegaConf
-
-from kvbench.types import Workload
 
 BIG_VOCAB = 1 << 30  # makes accidental id collisions (which would fake shared prefixes) negligible
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.replay import ReplayOptions, replay, scaled_block_lengths
 from kvbench.workloads.trace_formats import CHARS_PER_TOKEN

@@ -7,11 +7,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+
+from kvbench.types import Request, Workload
 from kvbench.workloads.distributions import LengthDist, length_dist, sample_lengths
 from kvbench.workloads.errors import WorkloadConfigError
 from kvbench.workloads.tokens import check_seed, check_vocab_size, derive_rng
-
-from kvbench.types import Request, Workload
 
 
 def check_common(vocab_size: int, seed: int, **counts: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.trace_io import open_text
 

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvbench.types import Workload
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
 from kvbench.workloads.trace_io import SHIPPED_TRACES, TRACE_FORMATS
-
-from kvbench.types import Workload
 
 PERCENTILES = (50, 90, 99)
 

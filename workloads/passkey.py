@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvbench.types import Request, Workload
 from kvbench.workloads.build import check_common, sorted_workload
 from kvbench.workloads.distributions import arrival_process
 from kvbench.workloads.errors import WorkloadConfigError
@@ -29,8 +30,6 @@ from kvbench.workloads.tokens import (
     random_token_ids,
     tile_to_length,
 )
-
-from kvbench.types import Request, Workload
 
 INTRO_TEXT = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from kvbench.types import Request, Workload
 from kvbench.workloads.build import check_common, draw_lengths, sorted_workload
 from kvbench.workloads.distributions import arrival_process
 from kvbench.workloads.errors import WorkloadConfigError
@@ -40,8 +42,6 @@ from kvbench.workloads.tokens import (
     random_token_ids,
     text_or_random_ids,
 )
-
-from kvbench.types import Request, Workload
 
 LengthSpec = Mapping[str, Any] | int
 ArrivalSpec = Mapping[str, Any] | str | None

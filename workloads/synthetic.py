@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvbench.types import Request, Workload
 from kvbench.workloads.build import check_common, draw_lengths, sorted_workload
 from kvbench.workloads.distributions import arrival_process
 from kvbench.workloads.errors import WorkloadConfigError
@@ -29,8 +30,6 @@ from kvbench.workloads.tokens import (
     derive_rng,
     random_token_ids,
 )
-
-from kvbench.types import Request, Workload
 
 LengthSpec = Mapping[str, Any] | int
 ArrivalSpec = Mapping[str, Any] | str | None

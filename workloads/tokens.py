@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
 from kvbench.workloads.errors import WorkloadConfigError
 
 FIRST_REGULAR_TOKEN_ID = 3

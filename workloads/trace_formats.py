@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvbench.workloads.errors import TraceError
 from kvbench.workloads.tokens import Tokenizer, keyed_token_ids, stable_key
 from kvbench.workloads.trace_io import AZURE_HEADER, BURSTGPT_HEADER, open_text

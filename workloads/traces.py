@@ -12,14 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvbench.types import Workload
 from kvbench.workloads.distributions import arrival_process
 from kvbench.workloads.errors import WorkloadConfigError
 from kvbench.workloads.replay import ReplayOptions, replay
 from kvbench.workloads.tokens import Tokenizer, check_seed, check_vocab_size
 from kvbench.workloads.trace_formats import PARSERS, ParsedTrace, parse_sharegpt
 from kvbench.workloads.trace_io import SHIPPED_TRACES, TRACE_FORMATS, detect_format, resolve_trace_path
-
-from kvbench.types import Workload
 
 
 def parse_trace(

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+
 from kvbench.engines.attention import (
     DecodeWorkspace,
     contiguous_decode_attention,
