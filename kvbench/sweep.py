@@ -87,6 +87,7 @@ class SweepFinalizer(Callback):
         if not sweep_dir.exists():
             return
         table = results.write_sweep_table(sweep_dir)
+        print_sweep_summary(sweep_dir)
         print(f"kvbench: sweep table {table}")
         num_failed = 0
         for run_json in sweep_dir.glob("*/run.json"):
@@ -103,3 +104,40 @@ class SweepFinalizer(Callback):
         if num_failed:
             print(f"kvbench: {num_failed} run(s) failed in {sweep_dir}", file=sys.stderr)
             raise SystemExit(min(num_failed, 125))
+
+
+# What a sweep prints side by side at the end (the full table is in runs.parquet/csv).
+SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("kv_bytes_per_token", "KV B/token", "{:,.0f}"),
+    ("kv_peak_allocated_bytes", "peak KV B", "{:,.0f}"),
+    ("kv_token_fraction_mean", "KV token frac", "{:.3f}"),
+    ("peak_num_running", "peak seqs", "{:.0f}"),
+    ("output_tokens_per_s", "tok/s", "{:,.1f}"),
+    ("ttft_ms_mean", "TTFT ms", "{:,.1f}"),
+    ("tpot_ms_mean", "TPOT ms", "{:,.2f}"),
+    ("prefix_hit_rate", "prefix hit", "{:.3f}"),
+)
+
+
+def print_sweep_summary(sweep_dir: Path) -> None:
+    """A rich table of the sweep's runs, labelled by what varies, key metrics side by side."""
+    from rich.console import Console
+    from rich.table import Table
+
+    runs = results.load(sweep_dir).runs
+    if runs.empty:
+        return
+    labels = results.run_labels(runs)
+    table = Table(title=f"sweep {sweep_dir.name}: {len(runs)} runs")
+    table.add_column("run")
+    table.add_column("status")
+    shown = [(col, head, fmt) for col, head, fmt in SUMMARY_COLUMNS if col in runs]
+    for _, head, _ in shown:
+        table.add_column(head, justify="right")
+    for (_, row), label in zip(runs.iterrows(), labels):
+        cells = []
+        for col, _, fmt in shown:
+            value = row[col]
+            cells.append("-" if value is None or value != value else fmt.format(value))
+        table.add_row(str(label), str(row.get("status", "")), *cells)
+    Console(width=160).print(table)
