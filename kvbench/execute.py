@@ -189,7 +189,7 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
         replay(build_engine(factory, ctx, cfg.engine._target_), _warmup_workload(spec), WallClock())
     engine = build_engine(factory, ctx, cfg.engine._target_)
     cuda = cfg.run.device.startswith("cuda") and torch.cuda.is_available()
-    clock = SimClock() if sim else WallClock(torch.cuda.synchronize if cuda else None)
+    clock = SimClock() if sim else WallClock(torch.cuda.synchronize if cuda else None, cuda_events=cuda)
     with MemorySampler(interval_s=cfg.run.memory_interval_s) as sampler:
         raw = replay(engine, workload, clock, progress=cfg.run.progress)
     memory = sampler.samples_frame()

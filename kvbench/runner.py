@@ -38,17 +38,46 @@ class Clock(Protocol):
         """Block (or jump) until ``now() >= t_s``."""
         ...
 
+    def step_begin(self) -> float:
+        """Called right before each engine step; returns the step's start time."""
+        ...
+
     def step_done(self, output: StepOutput) -> float:
         """Called after each engine step; returns the step's end time."""
         ...
 
+    def device_time_s(self) -> float:
+        """Device time of the last step from CUDA events; NaN where there are none."""
+        ...
+
 
 class WallClock:
-    """perf_counter time; ``sync`` (e.g. torch.cuda.synchronize) runs before every read."""
+    """perf_counter time; ``sync`` (e.g. torch.cuda.synchronize) runs before every read.
 
-    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+    With ``cuda_events`` each step is also bracketed by CUDA events, whose elapsed time
+    (the device's own view, free of host scheduling noise) is recorded per step.
+    """
+
+    def __init__(self, sync: Callable[[], None] | None = None, cuda_events: bool = False) -> None:
         self._sync = sync or (lambda: None)
         self._start = time.perf_counter()
+        self._events = None
+        if cuda_events:
+            import torch
+
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def step_begin(self) -> float:
+        now = self.now()
+        if self._events is not None:
+            self._events[0].record()
+        return now
+
+    def device_time_s(self) -> float:
+        if self._events is None:
+            return float("nan")
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
 
     def now(self) -> float:
         self._sync()
@@ -60,6 +89,8 @@ class WallClock:
             time.sleep(delay)
 
     def step_done(self, output: StepOutput) -> float:
+        if self._events is not None:
+            self._events[1].record()
         return self.now()
 
 
@@ -74,6 +105,12 @@ class SimClock:
 
     def wait_until(self, t_s: float) -> None:
         self._t = max(self._t, t_s)
+
+    def step_begin(self) -> float:
+        return self._t
+
+    def device_time_s(self) -> float:
+        return float("nan")
 
     def step_done(self, output: StepOutput) -> float:
         if output.modeled_duration_s is None:
@@ -184,11 +221,17 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
             if not engine.has_unfinished():
                 clock.wait_until(pending[0].arrival_s)
                 continue
-            start_s = clock.now()
+            start_s = clock.step_begin()
             output = engine.step()
             end_s = clock.step_done(output)
             step_rows.append(
-                {"step": len(step_rows), "start_s": start_s, "end_s": end_s, "duration_s": end_s - start_s}
+                {
+                    "step": len(step_rows),
+                    "start_s": start_s,
+                    "end_s": end_s,
+                    "duration_s": end_s - start_s,
+                    "device_time_s": clock.device_time_s(),
+                }
                 | flatten_stats(output.stats)
             )
             for request_id in output.first_scheduled:

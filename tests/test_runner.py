@@ -1,0 +1,107 @@
+"""The runner's replay loop with a scripted engine: arrivals, clocks, records, limits."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+
+from kvbench.runner import MAX_IDLE_STEPS, SimClock, WallClock, replay
+from kvbench.types import FinishedRequest, KVUsage, Request, StepOutput, StepStats, TokenEvent, Workload
+
+
+class ScriptedEngine:
+    """Admits everything at once; each step emits one token per running request.
+
+    ``step_s`` is the modeled duration (sim mode). ``stuck`` makes it never progress.
+    """
+
+    name = "scripted"
+
+    def __init__(self, step_s: float = 0.5, stuck: bool = False) -> None:
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, list[int]] = {}
+        self.requests: dict[str, Request] = {}
+        self.step_s = step_s
+        self.stuck = stuck
+        self.max_running_seen = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def describe(self) -> dict:
+        return {}
+
+    def step(self) -> StepOutput:
+        first = []
+        if not self.stuck:
+            while self.waiting:
+                request = self.waiting.popleft()
+                self.requests[request.request_id] = request
+                self.running[request.request_id] = []
+                first.append(request.request_id)
+        self.max_running_seen = max(self.max_running_seen, len(self.running))
+        tokens, finished = [], []
+        for request_id, out in list(self.running.items()):
+            out.append(7)
+            tokens.append(TokenEvent(request_id, 0, 7))
+            if len(out) == self.requests[request_id].max_new_tokens:
+                finished.append(FinishedRequest(request_id, (tuple(out),), num_cached_prompt_tokens=2))
+                del self.running[request_id]
+        stats = StepStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_scheduled_tokens=len(tokens),
+            num_prefill_tokens=0,
+            num_decode_tokens=len(tokens),
+            kv=KVUsage(capacity_bytes=100, allocated_bytes=10, token_bytes=8),
+        )
+        return StepOutput(tuple(tokens), tuple(first), tuple(finished), (), stats, modeled_duration_s=self.step_s)
+
+
+def _workload(arrivals: list[float], max_new: int = 3, limit: int | None = None) -> Workload:
+    requests = tuple(Request(f"r{i}", t, (5, 6, 7), max_new) for i, t in enumerate(arrivals))
+    return Workload("w", requests, max_concurrency=limit)
+
+
+def test_sim_clock_advances_by_modeled_time_and_jumps_idle_gaps() -> None:
+    raw = replay(ScriptedEngine(step_s=0.5), _workload([0.0, 10.0]), SimClock())
+    rows = raw.requests.set_index("request_id")
+    # r0 runs steps [0, 0.5), [0.5, 1.0), [1.0, 1.5); the clock then jumps to r1's arrival.
+    assert rows.loc["r0", "token_times_s"].tolist() == [0.5, 1.0, 1.5]
+    assert rows.loc["r0", "first_token_s"] == 0.5 and rows.loc["r0", "finish_s"] == 1.5
+    assert rows.loc["r1", "first_scheduled_s"] == 10.0
+    assert rows.loc["r1", "token_times_s"].tolist() == [10.5, 11.0, 11.5]
+    assert rows.loc["r1", "num_cached_tokens"] == 2
+    assert raw.num_steps == 6 and raw.duration_s == pytest.approx(11.5)
+    assert list(raw.steps["duration_s"]) == [0.5] * 6
+    assert raw.steps["device_time_s"].isna().all(), "no CUDA events on the simulated clock"
+
+
+def test_closed_loop_limit_bounds_requests_in_flight() -> None:
+    engine = ScriptedEngine(step_s=1.0)
+    raw = replay(engine, _workload([0.0] * 5, max_new=2, limit=2), SimClock())
+    assert engine.max_running_seen == 2
+    arrivals = sorted(raw.requests["arrival_s"])
+    assert arrivals == [0.0, 0.0, 2.0, 2.0, 4.0], "a closed-loop request arrives when it is submitted"
+
+
+def test_engine_that_makes_no_progress_fails_instead_of_hanging() -> None:
+    with pytest.raises(RuntimeError, match=f"no progress for {MAX_IDLE_STEPS} steps"):
+        replay(ScriptedEngine(stuck=True), _workload([0.0]), SimClock())
+
+
+def test_sim_clock_needs_a_modeled_duration() -> None:
+    with pytest.raises(RuntimeError, match="modeled_duration_s"):
+        replay(ScriptedEngine(step_s=None), _workload([0.0]), SimClock())  # type: ignore[arg-type]
+
+
+def test_wall_clock_waits_for_arrivals() -> None:
+    raw = replay(ScriptedEngine(), _workload([0.0, 0.05], max_new=1), WallClock())
+    rows = raw.requests.set_index("request_id")
+    assert rows.loc["r1", "first_scheduled_s"] >= 0.05
+    assert all(not math.isnan(v) for v in raw.steps["end_s"])
