@@ -72,10 +72,10 @@ def test_sim_clock_advances_by_modeled_time_and_jumps_idle_gaps() -> None:
     raw = replay(ScriptedEngine(step_s=0.5), _workload([0.0, 10.0]), SimClock())
     rows = raw.requests.set_index("request_id")
     # r0 runs steps [0, 0.5), [0.5, 1.0), [1.0, 1.5); the clock then jumps to r1's arrival.
-    assert rows.loc["r0", "token_times_s"].tolist() == [0.5, 1.0, 1.5]
+    assert rows.loc["r0", "token_times_s"] == [0.5, 1.0, 1.5]
     assert rows.loc["r0", "first_token_s"] == 0.5 and rows.loc["r0", "finish_s"] == 1.5
     assert rows.loc["r1", "first_scheduled_s"] == 10.0
-    assert rows.loc["r1", "token_times_s"].tolist() == [10.5, 11.0, 11.5]
+    assert rows.loc["r1", "token_times_s"] == [10.5, 11.0, 11.5]
     assert rows.loc["r1", "num_cached_tokens"] == 2
     assert raw.num_steps == 6 and raw.duration_s == pytest.approx(11.5)
     assert list(raw.steps["duration_s"]) == [0.5] * 6
