@@ -17,6 +17,7 @@ last prompt token (sharing every prompt block); beams are ranked jointly every s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +30,9 @@ from kvbench.engines.radix_cache import RadixPrefixIndex
 from kvbench.engines.sampler import SampleKey, Sampler, log_softmax, stable_seed
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvbench.engines.sequence import Sequence, SequenceGroup
-from kvbench.engines.sim_executor import sim_setup
+from kvbench.engines.sim_executor import CostModelExecutor, sim_setup
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
-from kvbench.types import EngineContext, Request, StepOutput, StepStats, TokenEvent
+from kvbench.types import CoveredStep, EngineContext, Request, StepOutput, StepStats, TokenEvent
 
 PREFIX_INDEXES = {
     "block_hash": BlockHashPrefixIndex,
@@ -39,6 +40,26 @@ PREFIX_INDEXES = {
     "none": NullPrefixIndex,
 }
 DECODE_BACKENDS = ("auto", "torch", "triton")
+# Longest decode run modeled in one call: runs end at the first finish, arrival or
+# admission, so a cap only bounds the cost-model work wasted on a run that ends early.
+MAX_DECODE_RUN_STEPS = 1024
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+_SAMPLE64 = 0xD1B54A32D192ED03
+
+
+def stand_in_token(base: int, sample_index: int, position: int, vocab_size: int) -> int:
+    """Simulation's stand-in for a sampled token: a SplitMix64 mix of the request's
+    ``base`` key, the sample and the output position, drawn from ``[3, vocab_size)``.
+
+    Integer arithmetic only (~0.3 us; a blake2b seed per token cost ~3 us, a fifth of a
+    simulated decode step per sequence). Pure.
+    """
+    x = (base + (sample_index + 1) * _SAMPLE64 + (position + 1) * _GOLDEN64) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return 3 + x % (vocab_size - 3)
 
 
 def rank_beam_candidates(
@@ -199,6 +220,12 @@ class PagedEngine:
         self.sampler = Sampler(ctx.seed)
         self.config = config
         self._is_cuda = torch.device(ctx.device).type == "cuda"
+        # Fast-forward (simulation only): the cost-model executor prices a decode run in
+        # one call, and only the plain paged manager's accounting is known to be what
+        # decode_step_blocks/append_decodes assume (variants override append/usage).
+        self._decode_runs = isinstance(executor, CostModelExecutor) and type(self.kv) is PagedKVManager
+        self._run_window: tuple[float, float] | None = None
+        self._stand_in_bases: dict[str, int] = {}  # request id -> stand-in token key
 
     # ------------------------------------------------------------------ protocol
     def add_request(self, request: Request) -> None:
@@ -207,6 +234,16 @@ class PagedEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def set_next_arrival_s(self, now_s: float, next_arrival_s: float) -> None:
+        """The runner's hook (kvbench.types.Engine): simulated time now and of the next
+        submission (``math.inf``: none due). Lets the next ``step`` cover a decode run of
+        steps that all start before ``next_arrival_s``. Mutates only the stored window,
+        which that ``step`` consumes. Raises ValueError when the arrival is not after now.
+        """
+        if not next_arrival_s > now_s:
+            raise ValueError(f"set_next_arrival_s: next arrival {next_arrival_s} must be after now {now_s}")
+        self._run_window = (now_s, next_arrival_s)
 
     def describe(self) -> dict[str, Any]:
         cfg = self.config
@@ -227,16 +264,19 @@ class PagedEngine:
         }
 
     def step(self) -> StepOutput:
-        """Run one iteration (see module doc). Mutates queues, KV state and outputs.
+        """Run one iteration (see module doc), or, in simulation mode after
+        ``set_next_arrival_s``, a decode run of several (``_decode_run``). Mutates queues,
+        KV state and outputs.
 
         On CUDA it synchronises before returning so the runner's clock reads finished work.
         """
+        window, self._run_window = self._run_window, None
+        if window is not None and self._decode_runs:
+            run = self._decode_run(*window)
+            if run is not None:
+                return run
         kv = self.kv
-        queries0, hits0, evicted0 = (
-            kv.num_prefix_query_tokens,
-            kv.num_prefix_hit_tokens,
-            kv.num_evicted_blocks,
-        )
+        counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
         output = self.scheduler.schedule()
         result = self.executor.execute(output)
         targets = self.scheduler.complete_step()
@@ -244,24 +284,17 @@ class PagedEngine:
         finished = self.scheduler.pop_finished()
         if self._is_cuda:
             torch.cuda.synchronize()
+        for done in finished:
+            self._stand_in_bases.pop(done.request_id, None)
         bytes_to_host, bytes_from_host = self._swap_bytes(output)
-        scheduler = self.scheduler
-        stats = StepStats(
-            num_running=sum(len(group.seqs) for group in scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_scheduled_tokens=output.num_scheduled_tokens,
+        stats = self._stats(
+            counters0,
             num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens,
-            kv=kv.usage(),
-            num_swapped=len(scheduler.swapped),
             num_preemptions=output.num_preemptions,
             num_recomputed_tokens=output.num_recomputed_tokens,
-            num_prefix_query_tokens=kv.num_prefix_query_tokens - queries0,
-            num_prefix_hit_tokens=kv.num_prefix_hit_tokens - hits0,
-            num_evicted_blocks=kv.num_evicted_blocks - evicted0,
             bytes_to_host=bytes_to_host,
             bytes_from_host=bytes_from_host,
-            modeled_transfer_s=(bytes_to_host + bytes_from_host) / (self.ctx.hardware.pcie_gbps * 1e9),
         )
         return StepOutput(
             tokens=tuple(events),
@@ -270,6 +303,121 @@ class PagedEngine:
             rejected=output.rejected,
             stats=stats,
             modeled_duration_s=result.modeled_duration_s,
+        )
+
+    def _stats(
+        self,
+        counters0: tuple[int, int, int],
+        *,
+        num_prefill_tokens: int,
+        num_decode_tokens: int,
+        num_preemptions: int = 0,
+        num_recomputed_tokens: int = 0,
+        bytes_to_host: int = 0,
+        bytes_from_host: int = 0,
+    ) -> StepStats:
+        """The step's StepStats; ``counters0`` are the KV manager's (prefix queries, hits,
+        evictions) before it. Pure."""
+        kv = self.kv
+        scheduler = self.scheduler
+        queries0, hits0, evicted0 = counters0
+        return StepStats(
+            num_running=sum(len(group.seqs) for group in scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_scheduled_tokens=num_prefill_tokens + num_decode_tokens,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode_tokens,
+            kv=kv.usage(),
+            num_swapped=len(scheduler.swapped),
+            num_preemptions=num_preemptions,
+            num_recomputed_tokens=num_recomputed_tokens,
+            num_prefix_query_tokens=kv.num_prefix_query_tokens - queries0,
+            num_prefix_hit_tokens=kv.num_prefix_hit_tokens - hits0,
+            num_evicted_blocks=kv.num_evicted_blocks - evicted0,
+            bytes_to_host=bytes_to_host,
+            bytes_from_host=bytes_from_host,
+            modeled_transfer_s=(bytes_to_host + bytes_from_host) / (self.ctx.hardware.pcie_gbps * 1e9),
+        )
+
+    # ------------------------------------------------------------------ decode runs
+    def _decode_run(self, now_s: float, next_arrival_s: float) -> StepOutput | None:
+        """Fast-forward: take consecutive plain decode steps in one call (simulation only).
+
+        A run continues while the batch stays the same: every running sequence decodes
+        one token, none finishes, no block is copied or swapped, the pool has the blocks
+        the step needs (no preemption), the head of the waiting queue still cannot start,
+        and the step starts before ``next_arrival_s``. Each step updates the scheduler, KV
+        manager and prefix index exactly as a single ``step`` would (tests compare both),
+        without planning chunks or modeling each step separately. Returns None when not
+        even the first step qualifies (the caller steps normally); a step that turns out
+        to admit a waiting group is left planned in the scheduler for that normal step.
+        """
+        scheduler = self.scheduler
+        pairs = scheduler.decode_batch()
+        if pairs is None:
+            return None
+        vocab = self.ctx.spec.vocab_size
+        eos = self.ctx.spec.eos_token_id
+        bases = self._stand_in_bases
+        seed = self.ctx.seed
+        # Steps before the first finish: the step producing a sequence's last token ends it.
+        max_steps = MAX_DECODE_RUN_STEPS
+        keys = []
+        for group, seq in pairs:
+            request = group.request
+            max_steps = min(max_steps, request.max_new_tokens - seq.num_output_tokens - 1)
+            base = bases.get(request.request_id)
+            if base is None:
+                base = bases[request.request_id] = stable_seed(seed, request.request_id)
+            keys.append((base, seq.sample_index, not request.ignore_eos))
+        if max_steps <= 0:
+            return None
+        executor = self.executor
+        assert isinstance(executor, CostModelExecutor)
+        context = sum(len(seq.token_ids) for _, seq in pairs)
+        durations = executor.cost_model.decode_run_s(len(pairs), context, max_steps).tolist()
+        kv = self.kv
+        covered: list[CoveredStep] = []
+        events: list[TokenEvent] = []
+        start_s = now_s
+        for offset, duration_s in enumerate(durations):
+            if start_s >= next_arrival_s:
+                break  # the arrival is submitted before this step
+            need = scheduler.decode_step_blocks(pairs)
+            if need is None or need > kv.num_allocatable_blocks:
+                break  # a copy-on-write or a preemption: a normal step
+            tokens = [
+                stand_in_token(base, sample, seq.num_output_tokens, vocab)
+                for (base, sample, _), (_, seq) in zip(keys, pairs)
+            ]
+            if any(check_eos and token == eos for (_, _, check_eos), token in zip(keys, tokens)):
+                break  # a sequence finishes on EOS in this step
+            counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+            if not scheduler.append_decodes(pairs):
+                break  # a waiting group starts in this step: it is planned, step() runs it
+            scheduler.complete_decodes(pairs, tokens)
+            events.extend(
+                TokenEvent(group.request_id, seq.sample_index, token, offset)
+                for (group, seq), token in zip(pairs, tokens)
+            )
+            covered.append(
+                CoveredStep(
+                    duration_s, self._stats(counters0, num_prefill_tokens=0, num_decode_tokens=len(pairs))
+                )
+            )
+            executor.num_steps += 1
+            executor.total_modeled_s += duration_s
+            start_s += duration_s
+        if not covered:
+            return None
+        return StepOutput(
+            tokens=tuple(events),
+            first_scheduled=(),
+            finished=(),
+            rejected=(),
+            stats=covered[-1].stats,
+            modeled_duration_s=math.fsum(c.modeled_duration_s for c in covered),
+            covered_steps=tuple(covered),
         )
 
     # ------------------------------------------------------------------ token selection
@@ -349,15 +497,20 @@ class PagedEngine:
     def _advance_without_logits(self, targets: list[tuple[SequenceGroup, Sequence]]) -> list[TokenEvent]:
         """Cost-model execution: no logits, so each target gets a seeded stand-in token.
 
-        Tokens are drawn from [3, vocab) by (seed, request, sample, position), so outputs
-        of different requests do not collide in the prefix cache. Beams continue one
+        Tokens are drawn from [3, vocab) by (seed, request, sample, position)
+        (``stand_in_token``), so outputs of different requests do not collide in the
+        prefix cache. Beams continue one
         stand-in token each (no ranking without logits).
         """
         vocab = self.ctx.spec.vocab_size
         seed = self.ctx.seed
+        bases = self._stand_in_bases
 
         def stand_in(group: SequenceGroup, sample_index: int, position: int) -> int:
-            return 3 + stable_seed(seed, group.request_id, sample_index, position) % (vocab - 3)
+            base = bases.get(group.request_id)
+            if base is None:
+                base = bases[group.request_id] = stable_seed(seed, group.request_id)
+            return stand_in_token(base, sample_index, position, vocab)
 
         events: list[TokenEvent] = []
         done_beams: set[int] = set()

@@ -197,6 +197,8 @@ class Scheduler:
         self._budget = 0
         self._num_preemptions = 0
         self._last_pieces: list[_Piece] = []
+        # A step planned by append_decodes that was not a plain decode step; schedule() returns it.
+        self._prepared: SchedulerOutput | None = None
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -275,19 +277,30 @@ class Scheduler:
         """Plan one iteration: reserve KV slots, preempt, swap and admit (see module doc).
 
         Mutates the queues, the KV manager (append/allocate/free/swap) and group counters.
+        When a decode run (``append_decodes``) ended on a step it could not take as a plain
+        decode step, that step's plan was already made; it is returned (once) instead.
         """
-        self._pieces = []
-        self._ops = []
-        self._budget = self.config.max_num_batched_tokens
-        self._num_preemptions = 0
-        first_scheduled: list[str] = []
-        rejected, self._pending_rejections = self._pending_rejections, []
-
+        if self._prepared is not None:
+            output, self._prepared = self._prepared, None
+            return output
+        self._begin_plan()
         index = 0
         while index < len(self.running):
             group = self.running[index]
             if self._schedule_running(group):
                 index += 1
+        return self._finish_plan()
+
+    def _begin_plan(self) -> None:
+        self._pieces = []
+        self._ops = []
+        self._budget = self.config.max_num_batched_tokens
+        self._num_preemptions = 0
+
+    def _finish_plan(self) -> SchedulerOutput:
+        """The rest of ``schedule`` once running groups have their tokens: swap-in, admission."""
+        first_scheduled: list[str] = []
+        rejected, self._pending_rejections = self._pending_rejections, []
         if self._num_preemptions == 0:
             self._swap_in_groups()
         if self._num_preemptions == 0 and not self.swapped:
@@ -308,6 +321,121 @@ class Scheduler:
             first_scheduled=tuple(first_scheduled),
             rejected=tuple(rejected),
         )
+
+    # ------------------------------------------------------------------ decode runs (simulation)
+    # A decode run takes consecutive plain decode steps without planning chunks: the
+    # engine asks for the batch (``decode_batch``), and per step checks the pool
+    # (``decode_step_blocks``), reserves the slots (``append_decodes``) and, after
+    # choosing tokens, completes it (``complete_decodes``). Each step leaves exactly the
+    # state ``schedule`` + ``complete_step`` + ``append_token`` would have.
+
+    def decode_batch(self) -> list[tuple[SequenceGroup, Sequence]] | None:
+        """The (group, sequence) pairs of the next step, in chunk order, when that step can
+        only decode one token for every running sequence, else None. Pure.
+
+        None when rejections are pending, a group is swapped, a beam group runs (beams
+        are ranked jointly), a prompt is not fully computed, a sample group has not
+        forked yet, or the batch exceeds the token budget. Whether a waiting group would
+        be admitted is checked per step by ``append_decodes``.
+        """
+        if self._pending_rejections or self.swapped or not self.running or self._prepared is not None:
+            return None
+        pairs: list[tuple[SequenceGroup, Sequence]] = []
+        for group in self.running:
+            if group.is_beam or (group.num_samples > 1 and not group.has_forked):
+                return None
+            for seq in group.seqs:
+                # Decode state: only the newest token lacks KV, and it is no recomputation.
+                if (
+                    len(seq.token_ids) - seq.num_computed_tokens != 1
+                    or seq.num_computed_tokens < seq.num_lost_tokens
+                ):
+                    return None
+                pairs.append((group, seq))
+        if len(pairs) > self.config.max_num_batched_tokens:
+            return None
+        return pairs
+
+    def decode_step_blocks(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> int | None:
+        """New KV blocks one decode token for each of ``pairs`` takes, or None when some
+        sequence would copy a shared block first (copy-on-write). Pure."""
+        kv = self.kv
+        total = 0
+        for _, seq in pairs:
+            need = kv.num_append_blocks(seq.seq_id, 1)
+            if need is None:
+                return None
+            total += need
+        return total
+
+    def append_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> bool:
+        """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``).
+
+        Call only when ``decode_step_blocks(pairs)`` is not None and at most
+        ``kv.num_allocatable_blocks``. Returns True when the step is a plain decode step
+        (no waiting group could start in it); otherwise plans the rest of the step as
+        ``schedule`` would, keeps that plan for the next ``schedule`` call and returns
+        False. Mutates the KV manager (appends) and, on False, whatever admission does.
+        """
+        kv = self.kv
+        for _, seq in pairs:
+            kv.append(seq.seq_id, 1)
+        budget = self.config.max_num_batched_tokens - len(pairs)
+        if not self._head_may_start(budget):
+            return True
+        self._begin_plan()
+        self._pieces = [_Piece(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
+        self._budget = budget
+        self._prepared = self._finish_plan()
+        return False
+
+    def complete_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], token_ids: list[int]) -> None:
+        """Finish a plain decode step: what ``_finalize_pieces`` (peaks), ``complete_step``
+        and ``append_token`` do for these decode chunks; ``token_ids[i]`` is the token
+        sampled for ``pairs[i]``. The caller guarantees no sequence finishes with it.
+        Mutates the sequences, peak counters and the prefix index (commit)."""
+        kv = self.kv
+        multi: dict[int, SequenceGroup] = {}
+        for group, seq in pairs:  # peaks first, from the slots reserved (before commits)
+            if len(group.seqs) == 1:
+                end = len(seq.token_ids)
+                if end > group.peak_kv_slots:
+                    group.peak_kv_slots = end
+                if end > group.peak_kv_slots_unshared:
+                    group.peak_kv_slots_unshared = end
+            else:
+                multi[id(group)] = group
+        for group in multi.values():
+            self._update_peaks(group)
+        for (_, seq), token in zip(pairs, token_ids):
+            tokens = seq.token_ids
+            seq.num_computed_tokens = len(tokens)
+            kv.commit(seq.seq_id, tokens)
+            tokens.append(token)
+
+    def _head_may_start(self, budget: int) -> bool:
+        """Whether ``_admit_waiting`` with ``budget`` tokens left could admit the head (or
+        do anything at all) after this step's decode slots were reserved. Pure; answers
+        True whenever unsure (a multi-sequence head), which only ends a run early."""
+        if not self.waiting or budget <= 0:
+            return False
+        group = self.waiting[0]
+        if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
+            return False
+        if len(group.seqs) != 1:
+            return True
+        kv = self.kv
+        seq = group.seqs[0]
+        salt = group.request.cache_salt
+        hold_last = 1 if group.is_beam and group.has_forked else 0
+        remaining = max(len(seq.token_ids) - hold_last - kv.num_cached_tokens(seq.token_ids, salt), 0)
+        if self.config.chunked_prefill:
+            num_tokens = min(remaining, budget)
+        elif remaining > budget:
+            return False  # the decode pieces of this step are already there
+        else:
+            num_tokens = remaining
+        return kv.can_allocate(seq.seq_id, seq.token_ids, num_tokens, salt)
 
     def _num_tokens_to_run(self, group: SequenceGroup, seq: Sequence, hold_last: bool) -> int:
         """Tokens of ``seq`` to compute now under the remaining budget (0: nothing now)."""

@@ -94,29 +94,33 @@ def _size_task(cfg) -> None:  # noqa: ANN001
 
     from kvbench.config import ConfigError, validate_size_config
     from kvbench.sizing import fit, format_table, report_to_dict
-    from kvbench.specs import HardwareSpec, ModelSpec
+    from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 
     try:
         cfg = validate_size_config(cfg)
     except ConfigError as exc:
         print(f"kvbench size: invalid configuration\n  {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if cfg.hf_config:
-        from kvbench.hf_config import model_spec_from_hf_config
+    try:
+        if cfg.hf_config:
+            from kvbench.hf_config import model_spec_from_hf_config
 
-        spec = model_spec_from_hf_config(cfg.hf_config)
-    else:
-        spec = ModelSpec(**OmegaConf.to_container(cfg.model))
-    report = fit(
-        spec,
-        HardwareSpec(**OmegaConf.to_container(cfg.hardware)),
-        seq_len=cfg.seq_len,
-        batch=cfg.batch,
-        kv_dtype=cfg.kv_dtype or spec.dtype,
-        weight_dtype=cfg.weight_dtype or spec.dtype,
-        block_size=cfg.block_size,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-    )
+            spec = model_spec_from_hf_config(cfg.hf_config, num_params=cfg.num_params)
+        else:
+            spec = ModelSpec(**OmegaConf.to_container(cfg.model))
+        report = fit(
+            spec,
+            HardwareSpec(**OmegaConf.to_container(cfg.hardware)),
+            seq_len=cfg.seq_len,
+            batch=cfg.batch,
+            kv_dtype=cfg.kv_dtype or spec.dtype,
+            weight_dtype=cfg.weight_dtype or spec.dtype,
+            block_size=cfg.block_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+    except (SpecError, OSError) as exc:
+        print(f"kvbench size: invalid input\n  {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if cfg.format == "json":
         print(json.dumps(report_to_dict(report), indent=2))
     else:

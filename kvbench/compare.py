@@ -181,15 +181,18 @@ def compare(
             c = _median(cand_ok, metric)
             if math.isnan(b) and math.isnan(c):
                 continue
-            gate = next((g for g in gates if g.metric == metric), None)
             regressed = False
-            if gate is not None and not math.isnan(b):
+            metric_gates = [g for g in gates if g.metric == metric]
+            for gate in metric_gates:  # every gate on the metric applies
+                if math.isnan(b):
+                    continue
                 if math.isnan(c):
                     regressed = True
                     failures.append(
                         f"{label}: {metric} measured in the baseline ({b:.4g}) but missing in the candidate"
                     )
-                elif gate.regressed(b, c):
+                    break
+                if gate.regressed(b, c):
                     regressed = True
                     failures.append(f"{label}: {metric} {b:.4g} -> {c:.4g} ({_pct(b, c)}) breaks {gate.text}")
             rows.append(
@@ -201,7 +204,7 @@ def compare(
                     "change": c - b,
                     "change_pct": (c - b) / abs(b) * 100 if b != 0 and not math.isnan(b) else math.nan,
                     "verdict": _verdict(metric, b, c),
-                    "gate": gate.text if gate else "",
+                    "gate": " ".join(g.text for g in metric_gates),
                     "regressed": regressed,
                 }
             )

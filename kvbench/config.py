@@ -93,6 +93,7 @@ class SizeConfig:
     model: Any = field(default_factory=ModelSchema)
     hardware: Any = field(default_factory=HardwareSchema)
     hf_config: str | None = None  # a Hugging Face config.json on disk; replaces `model`
+    num_params: int | None = None  # with hf_config: published parameter count (MLA, MoE)
     seq_len: int = 4096
     batch: int = 1
     kv_dtype: str | None = None  # None: the model's dtype
@@ -141,6 +142,18 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(str(exc)) from None
     if merged.run.mode not in ("real", "sim"):
         raise ConfigError(f"run.mode: must be 'real' or 'sim', got {merged.run.mode!r}")
+    if merged.run.memory_interval_s <= 0:
+        raise ConfigError(f"run.memory_interval_s: must be > 0, got {merged.run.memory_interval_s}")
+    if merged.run.mode == "real":
+        computable = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+        for key in ("dtype", "kv_dtype"):
+            value = merged.run[key]
+            if value is not None and value not in computable:
+                raise ConfigError(
+                    f"run.{key}: {value!r} cannot be computed by the real engines (fp32, bf16, fp16); "
+                    "lower-precision KV is sized by `kvbench size` and modeled by run.mode=sim"
+                )
+        _check_device(merged.run.device)
     if merged.run.progress not in ("auto", "on", "off"):
         raise ConfigError(f"run.progress: must be auto, on or off, got {merged.run.progress!r}")
     if merged.run.num_threads < 0:
@@ -165,6 +178,22 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         if value is not None and value <= 0:
             raise ConfigError(f"slo.{key}: must be > 0, got {value}")
     return merged
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"run.device: {device!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"run.device: {device!r} requested but torch sees no CUDA device")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ConfigError(f"run.device: {device!r} but only {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type != "cpu":
+        raise ConfigError(f"run.device: {device!r} is not supported (cpu, cuda, cuda:N)")
 
 
 def validate_size_config(cfg: DictConfig) -> DictConfig:

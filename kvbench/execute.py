@@ -147,6 +147,15 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
         "model": OmegaConf.to_container(cfg.model),
         "hardware": OmegaConf.to_container(cfg.hardware),
         "workload": cfg.workload.get("name", str(cfg.workload._target_).rsplit(".", 1)[-1]),
+        # Everything that changes what is measured, so compare/report can match on it.
+        "workload_params": {k: v for k, v in OmegaConf.to_container(cfg.workload).items() if k != "_target_"},
+        "run": {
+            "device": cfg.run.device,
+            "dtype": cfg.run.dtype,
+            "kv_dtype": cfg.run.kv_dtype or (cfg.model.dtype if cfg.run.mode == "sim" else cfg.run.dtype),
+            "num_threads": cfg.run.num_threads,
+            "warmup": cfg.run.warmup,
+        },
         "seed": cfg.seed,
         "slo": OmegaConf.to_container(cfg.slo),
         "config_hash": digest,
@@ -173,13 +182,16 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
 def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], RawRun, Any]:
     spec = ModelSpec(**OmegaConf.to_container(cfg.model))
     hardware = HardwareSpec(**OmegaConf.to_container(cfg.hardware))
-    kv_dtype = cfg.run.kv_dtype or cfg.run.dtype
+    sim = cfg.run.mode == "sim"
+    # Real mode computes (and stores weights) in run.dtype; simulation models the
+    # checkpoint as published (model.dtype). The KV cache defaults to the same dtype.
+    compute_dtype = spec.dtype if sim else cfg.run.dtype
+    kv_dtype = cfg.run.kv_dtype or compute_dtype
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     torch.manual_seed(cfg.seed)
-    tokenizer = None if cfg.run.mode == "sim" else load_tokenizer_for(spec)
+    tokenizer = None if sim else load_tokenizer_for(spec)
     workload = build_workload(cfg, tokenizer)
-    sim = cfg.run.mode == "sim"
     model = None if sim else load_model(spec, cfg)
     ctx = EngineContext(spec, hardware, model, cfg.run.device, kv_dtype, cfg.seed, cfg.run.mode)
     factory = instantiate_plugin(cfg.engine, "engine")
@@ -190,23 +202,31 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     engine = build_engine(factory, ctx, cfg.engine._target_)
     cuda = cfg.run.device.startswith("cuda") and torch.cuda.is_available()
     clock = SimClock() if sim else WallClock(torch.cuda.synchronize if cuda else None, cuda_events=cuda)
-    with MemorySampler(interval_s=cfg.run.memory_interval_s) as sampler:
+    device_index = torch.device(cfg.run.device).index or 0
+    with MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=device_index) as sampler:
         raw = replay(engine, workload, clock, progress=cfg.run.progress)
     memory = sampler.samples_frame()
+    missing = dict(sampler.missing())
+    if sim:
+        # The process's memory is the simulator's own, not the modeled GPU's.
+        memory = memory.iloc[0:0]
+        missing = {col: "simulation mode: no device memory exists to sample" for col in memory.columns if col != "t_s"}
     meta.update(
         workload=workload.name,
         workload_source=workload.source,
         workload_counters=dict(workload.counters),
         duration_s=raw.duration_s,
         num_steps=raw.num_steps,
-        weight_bytes=weight_bytes(spec, cfg.run.dtype),
-        missing=dict(sampler.missing()),
+        weight_dtype=compute_dtype,
+        weight_bytes=weight_bytes(spec, compute_dtype),
+        missing=missing,
         block_size=None,
         kv_pool_bytes=None,
     )
     meta.update(engine.describe())  # kv_bytes_per_token, kv_pool_bytes, block_size, ...
-    summary = summarize_run(raw.requests, raw.steps, meta, memory)
-    meta["missing"] = {**meta["missing"], **summary.missing}
+    summary = summarize_run(raw.requests, raw.steps, meta, memory, torch_peaks=None if sim else sampler.peaks())
+    # Keep only the reasons of metrics that really ended up missing.
+    meta["missing"] = dict(summary.missing)
     metrics = dict(summary.metrics)
     if cfg.quality.enabled:
         metrics.update(measure_quality(cfg, model, engine, tokenizer))

@@ -317,9 +317,12 @@ def summarize_run(
     steps: pd.DataFrame,
     meta: Mapping[str, Any],
     memory: pd.DataFrame | None = None,
+    torch_peaks: Mapping[str, float] | None = None,
 ) -> Summary:
     """Every metric in METRICS for one run, with a reason for each NaN.
 
+    ``torch_peaks`` (column -> bytes, e.g. ``MemorySampler.peaks()``) raises the sampled
+    maxima to the allocator's own peaks, which see spikes between samples.
     ``meta`` supplies ``slo``, ``weight_bytes``, ``hardware.hbm_bandwidth_gbps`` and
     ``missing`` (reasons the runner already knows, e.g. why NVML columns are NaN).
     Mutates nothing; raises MetricsError naming the frame and column when a required
@@ -335,6 +338,11 @@ def summarize_run(
     _sharing_metric(requests, out, missing)
     _roofline_metrics(steps, meta, out, missing)
     _memory_metrics(memory, meta, out, missing)
+    for col, peak in (torch_peaks or {}).items():
+        name = f"mem_peak_{col}"
+        if peak == peak and (name not in out or not out[name] >= peak):
+            out[name] = float(peak)
+            missing.pop(name, None)
     known = meta.get("missing") or {}
     for doc in METRICS:  # every documented metric is present, NaN ones explained
         value = out.setdefault(doc.name, math.nan)

@@ -55,6 +55,7 @@ MAX_POINTS_PER_LINE = 2000  # time series are thinned so a long run does not blo
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
 
 STYLE = """
+.banner { background: #fff4d6; border: 1px solid #e0b84c; padding: 8px 12px; }
 body { font-family: system-ui, sans-serif; margin: 1.5rem auto; max-width: 1300px; color: #222; }
 h1 { margin-bottom: 0.2rem; } .sub { color: #666; margin-top: 0; }
 table { border-collapse: collapse; font-size: 0.85rem; margin: 0.5rem 0 1rem; }
@@ -84,6 +85,18 @@ def build_report(results_dir: str | os.PathLike[str], out_path: str | os.PathLik
     return out
 
 
+def _mode_banner(runs: pd.DataFrame) -> str:
+    """Say loudly when times are modeled, not measured (simulation mode)."""
+    if "mode" not in runs or not (runs["mode"] == "sim").any():
+        return ""
+    which = "All runs are" if (runs["mode"] == "sim").all() else "Runs with mode=sim are"
+    return (
+        '<p class="banner"><b>Simulated.</b> ' + which + " simulation-mode runs: step times, latencies, "
+        "throughput and roofline fractions come from the cost model of the hardware profile "
+        "(kvbench/sim/cost_model.py), not from a clock. KV memory figures are exact block accounting.</p>"
+    )
+
+
 def render_report(res: Results, title: str, source: str = "") -> str:
     """The full HTML page for ``res`` as a string. Pure: writes nothing."""
     runs = res.runs.assign(label=run_labels(res.runs))
@@ -104,6 +117,7 @@ def render_report(res: Results, title: str, source: str = "") -> str:
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>kvbench report: {html.escape(title)}</h1>
+{_mode_banner(runs)}
 <p class="sub">{len(runs)} runs ({num_failed} failed) from {html.escape(source)}, generated {stamp}.
 Runs are labelled by what varies: {html.escape(", ".join(varying_config_columns(runs)) or "nothing (one configuration)")}.</p>
 <h2>Summary</h2>

@@ -47,7 +47,7 @@ FLATTENED_META: dict[str, str] = {
 
 # Columns of the runs frame that describe a run's configuration (dotted ones by prefix).
 CONFIG_COLUMNS: tuple[str, ...] = ("engine", "mode", "workload", "seed")
-CONFIG_PREFIXES: tuple[str, ...] = ("engine.", "model.", "hardware.", "slo.")
+CONFIG_PREFIXES: tuple[str, ...] = ("engine.", "model.", "hardware.", "slo.", "run.", "workload_params.")
 
 
 class ResultsError(ValueError):

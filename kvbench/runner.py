@@ -13,6 +13,8 @@ jumps over idle gaps (simulation mode).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import sys
 import time
 from collections import deque
@@ -89,6 +91,8 @@ class WallClock:
             time.sleep(delay)
 
     def step_done(self, output: StepOutput) -> float:
+        if output.covered_steps:
+            raise RuntimeError("wall clock: a multi-step output (covered_steps) needs the simulation clock")
         if self._events is not None:
             self._events[1].record()
         return self.now()
@@ -113,10 +117,30 @@ class SimClock:
         return float("nan")
 
     def step_done(self, output: StepOutput) -> float:
+        if output.covered_steps:
+            # Step by step, as single-step outputs would advance it (same float sums).
+            self._t = covered_step_ends(self._t, output)[-1]
+            return self._t
         if output.modeled_duration_s is None:
-            raise RuntimeError("simulation clock: the engine returned no modeled_duration_s (is it in sim mode?)")
+            raise RuntimeError(
+                "simulation clock: the engine returned no modeled_duration_s (is it in sim mode?)"
+            )
         self._t += output.modeled_duration_s
         return self._t
+
+
+def covered_step_ends(start_s: float, output: StepOutput) -> list[float]:
+    """End time of each covered step of a multi-step output that starts at ``start_s``.
+
+    Sums durations one at a time so the times equal, bit for bit, those of the same
+    steps returned one per call. Pure.
+    """
+    ends = []
+    t = start_s
+    for covered in output.covered_steps:
+        t += covered.modeled_duration_s
+        ends.append(t)
+    return ends
 
 
 @dataclass
@@ -153,13 +177,21 @@ class RawRun:
 def flatten_stats(stats: Any, prefix: str = "") -> dict[str, Any]:
     """StepStats -> flat dict; nested KVUsage fields get the ``kv_`` prefix."""
     row: dict[str, Any] = {}
-    for f in dataclasses.fields(stats):
-        value = getattr(stats, f.name)
-        if dataclasses.is_dataclass(value):
-            row.update(flatten_stats(value, prefix=f"{f.name}_"))
+    for name, is_nested in _field_layout(type(stats)):
+        value = getattr(stats, name)
+        if is_nested and dataclasses.is_dataclass(value):
+            row.update(flatten_stats(value, prefix=f"{name}_"))
         else:
-            row[prefix + f.name] = value
+            row[prefix + name] = value
     return row
+
+
+@functools.cache
+def _field_layout(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(field name, may hold a dataclass) per field of ``cls``, memoised: one steps row is
+    flattened per simulated step, and ``dataclasses.fields`` dominated that."""
+    scalar = (int, float, str, "int", "float", "str")
+    return tuple((f.name, f.type not in scalar) for f in dataclasses.fields(cls))
 
 
 class _Progress:
@@ -204,6 +236,9 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
     bar = _Progress(len(pending), progress, workload.name)
     num_done = num_tokens = idle_steps = 0
     limit = workload.max_concurrency
+    # Optional engine hook: a simulated engine may cover several steps per call, never
+    # past the next submission (see kvbench.types.Engine).
+    announce = getattr(engine, "set_next_arrival_s", None)
     try:
         while pending or engine.has_unfinished():
             now = clock.now()
@@ -221,30 +256,53 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
             if not engine.has_unfinished():
                 clock.wait_until(pending[0].arrival_s)
                 continue
+            if announce is not None:
+                # Closed loop at its limit: the next submission waits for a finish, which
+                # ends any multi-step run anyway.
+                blocked = limit is not None and len(logs) - num_done >= limit
+                announce(now, pending[0].arrival_s if pending and not blocked else math.inf)
             start_s = clock.step_begin()
             output = engine.step()
             end_s = clock.step_done(output)
-            step_rows.append(
-                {
-                    "step": len(step_rows),
-                    "start_s": start_s,
-                    "end_s": end_s,
-                    "duration_s": end_s - start_s,
-                    "device_time_s": clock.device_time_s(),
-                }
-                | flatten_stats(output.stats)
-            )
+            if output.covered_steps:
+                ends = covered_step_ends(start_s, output)
+                step_start = start_s
+                for covered, step_end in zip(output.covered_steps, ends):
+                    step_rows.append(
+                        {
+                            "step": len(step_rows),
+                            "start_s": step_start,
+                            "end_s": step_end,
+                            "duration_s": step_end - step_start,
+                            "device_time_s": float("nan"),
+                        }
+                        | flatten_stats(covered.stats)
+                    )
+                    step_start = step_end
+            else:
+                ends = [end_s]
+                step_rows.append(
+                    {
+                        "step": len(step_rows),
+                        "start_s": start_s,
+                        "end_s": end_s,
+                        "duration_s": end_s - start_s,
+                        "device_time_s": clock.device_time_s(),
+                    }
+                    | flatten_stats(output.stats)
+                )
             for request_id in output.first_scheduled:
                 log = logs[request_id]
                 if log.first_scheduled_s != log.first_scheduled_s:  # NaN: first time
                     log.first_scheduled_s = start_s
             for event in output.tokens:
                 log = logs[event.request_id]
+                token_s = ends[event.step_offset]
                 log.num_generated_tokens += 1
                 if log.first_token_s != log.first_token_s:
-                    log.first_token_s = end_s
+                    log.first_token_s = token_s
                 if event.sample_index == 0:
-                    log.token_times_s.append(end_s)
+                    log.token_times_s.append(token_s)
             for finished in output.finished:
                 log = logs[finished.request_id]
                 log.finish_s = end_s
@@ -256,7 +314,9 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
                 outputs[finished.request_id] = finished.output_token_ids
             for rejected in output.rejected:
                 logs[rejected.request_id].rejected_reason = rejected.reason
-            progressed = output.tokens or output.finished or output.rejected or output.stats.num_scheduled_tokens
+            progressed = (
+                output.tokens or output.finished or output.rejected or output.stats.num_scheduled_tokens
+            )
             idle_steps = 0 if progressed else idle_steps + 1
             if idle_steps >= MAX_IDLE_STEPS:
                 raise RuntimeError(

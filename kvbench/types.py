@@ -6,7 +6,7 @@ workloads import these types; the core never imports a specific engine or worklo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -21,11 +21,18 @@ class Request:
     ``n > 1`` asks for n parallel samples that share the prompt (best-of-n);
     ``beam_width > 1`` asks for beam search. ``ignore_eos`` (the benchmark default)
     makes the output length exactly ``max_new_tokens``.
+
+    ``prompt_token_ids`` is a tuple of ints, or, for very large traces (the full Mooncake
+    replay holds 145M prompt tokens: ~5 GB as Python ints, 0.6 GB as int32), a read-only
+    1-D numpy integer array. Consumers index, slice and take ``len`` of it; those that
+    need Python ints call ``.tolist()`` on a slice (or ``list(...)``). Two requests holding
+    arrays cannot be compared with ``==`` (numpy's elementwise ``==`` raises inside the
+    dataclass comparison); compare their prompts with ``numpy.array_equal``.
     """
 
     request_id: str
     arrival_s: float
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]  # tuple[int, ...] or a read-only numpy int array
     max_new_tokens: int
     n: int = 1
     beam_width: int = 1
@@ -119,11 +126,16 @@ class StepStats:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """A token produced this step for sample ``sample_index`` of ``request_id``."""
+    """A token produced this step for sample ``sample_index`` of ``request_id``.
+
+    ``step_offset`` places it in a multi-step output: the token was produced by covered
+    step ``step_offset`` (0 for single-step outputs; see ``StepOutput.covered_steps``).
+    """
 
     request_id: str
     sample_index: int
     token_id: int
+    step_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,7 +160,25 @@ class RejectedRequest:
 
 
 @dataclass(frozen=True)
+class CoveredStep:
+    """One engine step inside a multi-step ``StepOutput``: its modeled duration and stats."""
+
+    modeled_duration_s: float
+    stats: StepStats
+
+
+@dataclass(frozen=True)
 class StepOutput:
+    """What one ``Engine.step`` call did: normally one engine iteration.
+
+    Multi-step outputs (simulation fast-forward): a simulated engine may cover several
+    consecutive iterations in one call. Then ``covered_steps`` lists every iteration in
+    order (the runner records one steps row each and times each token at the end of its
+    covered step, ``TokenEvent.step_offset``); ``stats`` is the last covered step's,
+    ``modeled_duration_s`` their sum, ``first_scheduled`` happened in covered step 0 and
+    ``finished``/``rejected`` in the last one. Empty ``covered_steps``: a single step.
+    """
+
     tokens: tuple[TokenEvent, ...]
     first_scheduled: tuple[str, ...]
     finished: tuple[FinishedRequest, ...]
@@ -157,6 +187,12 @@ class StepOutput:
     # Simulation mode: the cost model's duration of this step. None for real engines,
     # whose step time the runner reads from the clock.
     modeled_duration_s: float | None = None
+    covered_steps: tuple[CoveredStep, ...] = ()
+
+    @property
+    def num_steps(self) -> int:
+        """Engine iterations this output covers (1 unless multi-step)."""
+        return len(self.covered_steps) or 1
 
 
 @dataclass(frozen=True)
@@ -184,6 +220,13 @@ class Engine(Protocol):
     run is reported in ``StepOutput.rejected`` by a later step, never raised.
     ``step`` runs one scheduler iteration and returns what happened; on CUDA it
     synchronises before returning so the runner's clock reads finished work.
+
+    Optional hook (the runner calls it before every step when the engine defines it):
+    ``set_next_arrival_s(now_s, next_arrival_s)`` gives the simulated time now and when
+    the next request will be submitted (``math.inf`` when none is due). A simulated
+    engine may then cover several iterations in one ``step`` (``StepOutput.covered_steps``)
+    as long as each covered iteration starts before ``next_arrival_s``, so the result is
+    the same as stepping one iteration at a time.
     """
 
     name: str

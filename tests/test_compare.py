@@ -149,3 +149,11 @@ def test_gated_metric_missing_in_candidate_fails(tmp_path):
     result = compare.compare(base, cand, ["prefix_hit_rate:-10%"])
     assert not result.passed and "missing in the candidate" in result.failures[0]
     assert math.isnan(result.table.set_index("metric").loc["prefix_hit_rate", "candidate"])
+
+
+def test_every_gate_on_a_metric_applies(baseline, tmp_path):
+    slightly = write_sweep(tmp_path / "cand", "ref", tpot_s=0.021)  # +5 % TPOT, +1 ms
+    # The relative gate passes, the absolute one (+0.5 ms) does not: both must be checked.
+    result = compare.compare(baseline, slightly, ["tpot_ms_p99:+10%", "tpot_ms_p99:+0.5"])
+    assert not result.passed
+    assert all("breaks tpot_ms_p99:+0.5" in f for f in result.failures)
