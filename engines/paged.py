@@ -102,6 +102,10 @@ class PagedEngine:
     bytes_per_token)``, called once the engine has sized the pool. A manager may define
     ``reject_reason(request) -> str | None`` to reject requests it can never hold.
 
+    ``fast_forward`` (simulation mode only) lets one ``step`` cover a run of plain decode
+    steps once the runner has called ``set_next_arrival_s``; results are identical to
+    stepping one iteration per call (``fast_forward=False``), only faster.
+
     Raises ValueError naming ``engine.<parameter>`` for an invalid parameter.
     """
 
@@ -122,6 +126,7 @@ class PagedEngine:
         victim_policy: str = "newest",
         num_host_blocks: int = 0,
         decode_backend: str = "auto",
+        fast_forward: bool = True,
         executor: Executor | None = None,
         kv_manager: PagedKVManager | None = None,
         kv_manager_factory: Callable[[int, int, int], Any] | None = None,
@@ -223,9 +228,12 @@ class PagedEngine:
         # Fast-forward (simulation only): the cost-model executor prices a decode run in
         # one call, and only the plain paged manager's accounting is known to be what
         # decode_step_blocks/append_decodes assume (variants override append/usage).
-        self._decode_runs = isinstance(executor, CostModelExecutor) and type(self.kv) is PagedKVManager
+        self._decode_runs = (
+            bool(fast_forward) and isinstance(executor, CostModelExecutor) and type(self.kv) is PagedKVManager
+        )
         self._run_window: tuple[float, float] | None = None
         self._stand_in_bases: dict[str, int] = {}  # request id -> stand-in token key
+        self._prepared_counters: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ protocol
     def add_request(self, request: Request) -> None:
@@ -276,7 +284,13 @@ class PagedEngine:
             if run is not None:
                 return run
         kv = self.kv
-        counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+        # A step a decode run already began (its slots reserved) counts from before that.
+        counters0 = self._prepared_counters or (
+            kv.num_prefix_query_tokens,
+            kv.num_prefix_hit_tokens,
+            kv.num_evicted_blocks,
+        )
+        self._prepared_counters = None
         output = self.scheduler.schedule()
         result = self.executor.execute(output)
         targets = self.scheduler.complete_step()
@@ -381,7 +395,7 @@ class PagedEngine:
         events: list[TokenEvent] = []
         start_s = now_s
         for offset, duration_s in enumerate(durations):
-            if start_s >= next_arrival_s:
+            if start_s >= next_arrival_s + 1e9:
                 break  # the arrival is submitted before this step
             need = scheduler.decode_step_blocks(pairs)
             if need is None or need > kv.num_allocatable_blocks:
@@ -394,7 +408,10 @@ class PagedEngine:
                 break  # a sequence finishes on EOS in this step
             counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
             if not scheduler.append_decodes(pairs):
-                break  # a waiting group starts in this step: it is planned, step() runs it
+                # A waiting group starts in this step: the scheduler keeps its plan for the
+                # next normal step, whose stats count from here.
+                self._prepared_counters = counters0
+                break
             scheduler.complete_decodes(pairs, tokens)
             events.extend(
                 TokenEvent(group.request_id, seq.sample_index, token, offset)

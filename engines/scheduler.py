@@ -345,10 +345,13 @@ class Scheduler:
             if group.is_beam or (group.num_samples > 1 and not group.has_forked):
                 return None
             for seq in group.seqs:
-                # Decode state: only the newest token lacks KV, and it is no recomputation.
+                # Decode state: only the newest token lacks KV, it is an output token (not
+                # the prompt's last), and computing it is no recomputation.
+                computed = seq.num_computed_tokens
                 if (
-                    len(seq.token_ids) - seq.num_computed_tokens != 1
-                    or seq.num_computed_tokens < seq.num_lost_tokens
+                    len(seq.token_ids) - computed != 1
+                    or computed < seq.num_prompt_tokens
+                    or computed < seq.num_lost_tokens
                 ):
                     return None
                 pairs.append((group, seq))

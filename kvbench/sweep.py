@@ -127,9 +127,13 @@ def print_sweep_summary(sweep_dir: Path) -> None:
     runs = results.load(sweep_dir).runs
     if runs.empty:
         return
-    labels = results.run_labels(runs)
+    # The run id is the job's own overrides plus a config hash; label each run by the
+    # overrides that differ between runs.
+    parts = [tuple(str(r).rsplit("-", 1)[0].split(",")) for r in runs["run_id"]]
+    common = set.intersection(*(set(p) for p in parts)) if len(parts) > 1 else set()
+    labels = [",".join(x for x in p if x not in common) or ",".join(p) for p in parts]
     table = Table(title=f"sweep {sweep_dir.name}: {len(runs)} runs")
-    table.add_column("run")
+    table.add_column("run", overflow="fold")
     table.add_column("status")
     shown = [(col, head, fmt) for col, head, fmt in SUMMARY_COLUMNS if col in runs]
     for _, head, _ in shown:

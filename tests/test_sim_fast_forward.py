@@ -1,0 +1,200 @@
+"""Simulation fast-forward: a decode run covered in one ``step`` call must give exactly
+what stepping one iteration per call gives (steps rows, token times, outputs, counters).
+
+Each scenario runs the same workload through two simulated paged engines, one with
+``fast_forward=False``, and compares the runner's frames cell by cell. The scenarios
+are chosen so that runs are cut by every event: arrivals (Poisson), finishes, block
+boundaries, prefix hits and evictions, preemptions (small pools), admissions blocked on
+the pool, parallel samples (copy-on-write after the fork) and beams (never fast-forwarded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.engines.paged import PagedEngine
+from kvbench.engines.sim_executor import CostModelExecutor
+from kvbench.runner import RawRun, SimClock, replay
+from kvbench.specs import HardwareSpec, ModelSpec
+from kvbench.types import EngineContext, Workload
+from kvbench.workloads.prefixes import chat
+from kvbench.workloads.synthetic import best_of_n, random_requests
+from kvbench.workloads.traces import load_trace
+
+SPEC = ModelSpec()  # tiny-gqa
+# Slow steps (5 ms + per-sequence costs), so Poisson arrivals land inside decode runs.
+SLOW = HardwareSpec(step_overhead_s=5e-3, per_seq_overhead_s=2e-4)
+MOONCAKE_HEAD = Path(__file__).parent / "fixtures" / "traces" / "mooncake_conversation_head200.jsonl"
+
+
+class CountingEngine(PagedEngine):
+    """Counts step() calls, to show the fast-forwarding engine really covered runs."""
+
+    num_calls = 0
+
+    def step(self):  # type: ignore[override]
+        self.num_calls += 1
+        return super().step()
+
+
+def run(
+    workload: Workload, fast_forward: bool, spec: ModelSpec = SPEC, **params: object
+) -> tuple[RawRun, CountingEngine]:
+    ctx = EngineContext(spec, SLOW, None, "cpu", "fp32", 0, "sim")
+    engine = CountingEngine(
+        ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), fast_forward=fast_forward, **params
+    )
+    raw = replay(engine, workload, SimClock())
+    engine.scheduler.check()
+    engine.kv.check()
+    return raw, engine
+
+
+def assert_identical(
+    workload: Workload, min_covered_share: float = 0.0, spec: ModelSpec = SPEC, **params: object
+) -> float:
+    """Run both ways, compare everything; returns the share of steps covered by runs."""
+    slow, slow_engine = run(workload, False, spec, **params)
+    fast, fast_engine = run(workload, True, spec, **params)
+    assert slow_engine.num_calls == slow.num_steps
+    pd.testing.assert_frame_equal(slow.steps, fast.steps, check_exact=True)
+    pd.testing.assert_frame_equal(
+        slow.requests.drop(columns="token_times_s"),
+        fast.requests.drop(columns="token_times_s"),
+        check_exact=True,
+    )
+    assert slow.requests["token_times_s"].tolist() == fast.requests["token_times_s"].tolist()
+    assert slow.outputs == fast.outputs
+    assert slow.duration_s == fast.duration_s
+    assert slow_engine.executor.num_steps == fast_engine.executor.num_steps
+    covered = 1 - fast_engine.num_calls / fast.num_steps
+    assert covered >= min_covered_share, f"only {covered:.0%} of steps were fast-forwarded"
+    return covered
+
+
+def test_chat_with_shared_prefixes_and_poisson_arrivals():
+    workload = chat(
+        num_conversations=6,
+        num_turns=3,
+        system_prompt_len=64,
+        user_len={"kind": "uniform", "low": 10, "high": 60},
+        output_len={"kind": "uniform", "low": 20, "high": 120},
+        arrival={"kind": "poisson", "rate_per_s": 8.0},
+        turn_interval_s=0.3,
+        vocab_size=SPEC.vocab_size,
+        seed=5,
+    )
+    assert_identical(
+        workload, min_covered_share=0.5, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128
+    )
+
+
+def test_small_pool_preempts_and_blocks_admission():
+    workload = random_requests(
+        12,
+        {"kind": "uniform", "low": 20, "high": 90},
+        {"kind": "uniform", "low": 30, "high": 150},
+        {"kind": "poisson", "rate_per_s": 30.0},
+        vocab_size=SPEC.vocab_size,
+        seed=2,
+    )
+    slow, _ = run(workload, False, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=64)
+    assert slow.steps["num_preemptions"].sum() > 0  # the scenario really preempts
+    assert_identical(
+        workload, min_covered_share=0.3, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=64
+    )
+
+
+@pytest.mark.parametrize("prefix_cache", ["block_hash", "radix", "none"])
+def test_mooncake_head_fixture(prefix_cache):
+    workload = load_trace(
+        MOONCAKE_HEAD,
+        vocab_size=SPEC.vocab_size,
+        length_scale=1 / 32,
+        output_scale=0.25,
+        max_prompt_tokens=1024,
+        max_output_tokens=120,
+        max_requests=60,
+        time_scale=0.05,
+    )
+    assert_identical(
+        workload,
+        min_covered_share=0.3,
+        num_blocks=160,
+        max_num_seqs=12,
+        max_num_batched_tokens=256,
+        prefix_cache=prefix_cache,
+    )
+
+
+def test_parallel_samples_swap_preemption_and_closed_loop():
+    workload = best_of_n(
+        6, 40, {"kind": "uniform", "low": 20, "high": 70}, n=3, vocab_size=SPEC.vocab_size, seed=4
+    )
+    closed = Workload(workload.name, workload.requests, max_concurrency=3)
+    assert_identical(closed, min_covered_share=0.3, num_blocks=40, max_num_seqs=9, preemption="swap")
+
+
+def test_beams_stay_identical():
+    beams = random_requests(3, 30, 25, vocab_size=SPEC.vocab_size, seed=6, beam_width=2)
+    assert_identical(beams, num_blocks=64)
+
+
+def test_eos_ends_runs_when_not_ignored():
+    # A 12-token vocabulary with EOS among the stand-ins' range [3, 12): EOS comes often.
+    spec = dataclasses.replace(SPEC, vocab_size=12, eos_token_id=5)
+    workload = random_requests(8, 20, 200, vocab_size=12, seed=7)
+    workload = Workload(
+        workload.name, tuple(dataclasses.replace(r, ignore_eos=False) for r in workload.requests)
+    )
+    slow, _ = run(workload, False, spec, num_blocks=128)
+    lengths = [len(out[0]) for out in slow.outputs.values()]
+    assert min(lengths) < 200  # EOS really ended some sequences early
+    assert_identical(workload, spec=spec, num_blocks=128)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    num_requests=st.integers(1, 8),
+    prompt_high=st.integers(2, 120),
+    output_high=st.integers(1, 80),
+    rate_per_s=st.sampled_from([5.0, 50.0, 1000.0]),
+    num_blocks=st.integers(12, 80),
+    max_num_seqs=st.integers(1, 8),
+    max_num_batched_tokens=st.sampled_from([16, 48, 512]),
+    n=st.sampled_from([1, 1, 2]),
+    seed=st.integers(0, 1000),
+)
+def test_property_fast_forward_equals_stepping(
+    num_requests,
+    prompt_high,
+    output_high,
+    rate_per_s,
+    num_blocks,
+    max_num_seqs,
+    max_num_batched_tokens,
+    n,
+    seed,
+):
+    workload = random_requests(
+        num_requests,
+        {"kind": "uniform", "low": 1, "high": prompt_high},
+        {"kind": "uniform", "low": 1, "high": output_high},
+        {"kind": "poisson", "rate_per_s": rate_per_s},
+        vocab_size=SPEC.vocab_size,
+        seed=seed,
+        n=n,
+        temperature=1.0 if n > 1 else 0.0,
+    )
+    assert_identical(
+        workload,
+        num_blocks=num_blocks,
+        max_num_seqs=max(max_num_seqs, n),
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
