@@ -395,7 +395,7 @@ class PagedEngine:
         events: list[TokenEvent] = []
         start_s = now_s
         for offset, duration_s in enumerate(durations):
-            if start_s >= next_arrival_s + 1e9:
+            if start_s >= next_arrival_s:
                 break  # the arrival is submitted before this step
             need = scheduler.decode_step_blocks(pairs)
             if need is None or need > kv.num_allocatable_blocks:

@@ -223,7 +223,10 @@ class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
     __slots__ = ("key_chain",)
 
     def __init__(self, token_ids: Iterable[int] = ()) -> None:
-        super().__init__(token_ids)
+        # A numpy prompt (large traces) becomes Python ints in one C call: list(array)
+        # would hold numpy scalars, slower to hash and compare.
+        tolist = getattr(token_ids, "tolist", None)
+        super().__init__(tolist() if tolist is not None else token_ids)
         self.key_chain: BlockKeyChain | None = None
 
     def copy(self) -> KeyedTokenIds:  # type: ignore[override]
@@ -239,6 +242,36 @@ class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
         if chain is None or chain.block_size != block_size or chain.extra_key != extra_key:
             chain = self.key_chain = BlockKeyChain(block_size, extra_key)
         return chain
+
+
+class TokenPrefix(Sequence[int]):
+    """The first ``num_tokens`` ids of a token list, without copying them (read-only view).
+
+    The scheduler commits a prefilling sequence's computed prefix every step; slicing
+    a 100K-token prompt for that copied O(prompt) per step, O(prompt^2 / chunk) per
+    request. Indexing and slicing stay within the prefix; the list must not shrink.
+    """
+
+    __slots__ = ("_tokens", "_num_tokens")
+
+    def __init__(self, tokens: Sequence[int], num_tokens: int) -> None:
+        if not 0 <= num_tokens <= len(tokens):
+            raise ValueError(f"TokenPrefix: {num_tokens} tokens asked of {len(tokens)}")
+        self._tokens = tokens
+        self._num_tokens = num_tokens
+
+    def __len__(self) -> int:
+        return self._num_tokens
+
+    def __getitem__(self, index):  # type: ignore[override]  # int -> int, slice -> list
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._num_tokens)
+            return self._tokens[start:stop:step]
+        if index < 0:
+            index += self._num_tokens
+        if not 0 <= index < self._num_tokens:
+            raise IndexError(f"TokenPrefix index {index} out of range({self._num_tokens})")
+        return self._tokens[index]
 
 
 class _SeqHashState:

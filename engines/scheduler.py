@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbench.engines.kv_manager import NO_OPS
+from kvbench.engines.prefix_cache import TokenPrefix
 from kvbench.engines.sequence import GroupStatus, Sequence, SequenceGroup
 from kvbench.types import FinishedRequest, RejectedRequest, Request
 
@@ -697,9 +698,9 @@ class Scheduler:
             seq = piece.seq
             seq.num_computed_tokens = piece.start + piece.num_tokens
             computed = seq.num_computed_tokens
-            kv.commit(
-                seq.seq_id, seq.token_ids if computed == len(seq.token_ids) else seq.token_ids[:computed]
-            )
+            tokens = seq.token_ids
+            # A prefilling sequence commits its computed prefix: a view, not an O(prompt) copy.
+            kv.commit(seq.seq_id, tokens if computed == len(tokens) else TokenPrefix(tokens, computed))
             if computed == len(seq.token_ids):
                 targets.append((piece.group, seq))
         self._last_pieces = []

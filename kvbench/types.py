@@ -7,14 +7,16 @@ workloads import these types; the core never imports a specific engine or worklo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from kvbench.specs import HardwareSpec, ModelSpec
 
 
 # --------------------------------------------------------------------------- workloads
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Request:
     """One user request as a workload produces it.
 
@@ -25,9 +27,8 @@ class Request:
     ``prompt_token_ids`` is a tuple of ints, or, for very large traces (the full Mooncake
     replay holds 145M prompt tokens: ~5 GB as Python ints, 0.6 GB as int32), a read-only
     1-D numpy integer array. Consumers index, slice and take ``len`` of it; those that
-    need Python ints call ``.tolist()`` on a slice (or ``list(...)``). Two requests holding
-    arrays cannot be compared with ``==`` (numpy's elementwise ``==`` raises inside the
-    dataclass comparison); compare their prompts with ``numpy.array_equal``.
+    need Python ints call ``.tolist()`` on a slice (or ``list(...)``). ``==`` compares
+    prompts by their token ids whichever form they take. Requests are not hashable.
     """
 
     request_id: str
@@ -49,6 +50,24 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def __eq__(self, other: object) -> bool:
+        # The generated __eq__ compares field tuples, and numpy's elementwise == of two
+        # array prompts has no single truth value; compare prompts by their ids instead.
+        if not isinstance(other, Request):
+            return NotImplemented
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "prompt_token_ids" and (
+                isinstance(mine, np.ndarray) or isinstance(theirs, np.ndarray)
+            ):
+                if not np.array_equal(mine, theirs):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # as before: the tags mapping was never hashable
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,11 @@ Order of operations (each step counts what it removes or cuts, in ``Workload.cou
 Token ids: a Mooncake block is content-addressed by its hash id, so requests that share
 hash-id prefixes share token prefixes exactly; traces with only lengths get random ids
 keyed by the record's line (a record keeps its ids whatever the window or sample).
+
+Hash-id (Mooncake) prompts are read-only int32 numpy arrays (``Request`` allows them):
+the full conversation trace holds 145M prompt tokens, ~5 GB as tuples of Python ints
+and 0.6 GB as arrays, and each hash block's ids are computed once and concatenated.
+Other traces keep tuples.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvbench.types import Request, Workload
+from kvbench.workloads.build import closed_loop_limit
 from kvbench.workloads.distributions import ArrivalProcess, arrival_process
 from kvbench.workloads.errors import WorkloadConfigError
 from kvbench.workloads.tokens import (
@@ -31,9 +39,6 @@ from kvbench.workloads.tokens import (
     random_token_ids,
 )
 from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
-
-from kvbench.workloads.build import closed_loop_limit
-from kvbench.types import Request, Workload
 
 _TRUNCATION_COUNTERS = (
     "num_prompts_truncated",
@@ -131,10 +136,11 @@ def replay(
     for key in _TRUNCATION_COUNTERS:
         counters[key] = 0
     extra_tags = {"kind": "trace", "format": trace.format, **process.request_tags()}
+    blocks = _HashBlockIds(seed, vocab_size)
     requests = []
     for index in indices:
         record = records[index]
-        prompt = _prompt_ids(record, options, vocab_size, seed)
+        prompt = _prompt_ids(record, options, vocab_size, seed, blocks)
         if options.max_prompt_tokens is not None and len(prompt) > options.max_prompt_tokens:
             counters["num_prompts_truncated"] += 1
             counters["num_prompt_tokens_truncated"] += len(prompt) - options.max_prompt_tokens
@@ -149,7 +155,7 @@ def replay(
             Request(
                 request_id=f"{name}-{index:06d}",
                 arrival_s=arrival_s,
-                prompt_token_ids=tuple(prompt.tolist()),
+                prompt_token_ids=prompt if record.hash_ids is not None else tuple(prompt.tolist()),
                 max_new_tokens=output_len,
                 tags={**extra_tags, "line": str(record.line), **record.tags},
             )
@@ -177,14 +183,39 @@ def scaled_block_lengths(record: TraceRecord, length_scale: float) -> np.ndarray
     return lengths
 
 
-def _prompt_ids(record: TraceRecord, options: ReplayOptions, vocab_size: int, seed: int) -> np.ndarray:
-    """The record's prompt token ids after length scaling (before caps)."""
+class _HashBlockIds:
+    """Token ids of Mooncake hash blocks, computed once per (hash id, length) for one
+    replay: conversation turns repeat their history's blocks, so most are cache hits."""
+
+    def __init__(self, seed: int, vocab_size: int) -> None:
+        self._seed = seed
+        self._vocab_size = vocab_size
+        self._ids: dict[tuple[int, int], np.ndarray] = {}
+
+    def prompt(self, hash_ids: list[int], lengths: np.ndarray) -> np.ndarray:
+        """The prompt of these blocks: a new read-only int32 array. Mutates the cache."""
+        parts = []
+        for hash_id, length in zip(hash_ids, lengths.tolist()):
+            ids = self._ids.get((hash_id, length))
+            if ids is None:
+                # ids: [length] int32 (vocabularies are far below 2**31)
+                ids = keyed_token_ids(
+                    self._seed, np.full(length, hash_id, dtype=np.int64), np.arange(length), self._vocab_size
+                ).astype(np.int32)
+                self._ids[(hash_id, length)] = ids
+            parts.append(ids)
+        prompt = np.concatenate(parts)  # [num_tokens] int32
+        prompt.flags.writeable = False
+        return prompt
+
+
+def _prompt_ids(
+    record: TraceRecord, options: ReplayOptions, vocab_size: int, seed: int, blocks: _HashBlockIds
+) -> np.ndarray:
+    """The record's prompt token ids after length scaling (before caps): a read-only int32
+    array for hash-id records (from ``blocks``), int64 otherwise."""
     if record.hash_ids is not None:
-        lengths = scaled_block_lengths(record, options.length_scale)
-        keys = np.repeat(np.asarray(record.hash_ids, dtype=np.int64), lengths)  # [num_tokens]
-        starts = np.cumsum(lengths) - lengths
-        offsets = np.arange(int(lengths.sum())) - np.repeat(starts, lengths)  # position inside its block
-        return keyed_token_ids(seed, keys, offsets, vocab_size)
+        return blocks.prompt(record.hash_ids, scaled_block_lengths(record, options.length_scale))
     length = max(1, round(record.input_length * options.length_scale))
     if record.prompt_token_ids is not None:
         # Scaling text-derived prompts keeps their prefix, so shared prefixes stay shared.
