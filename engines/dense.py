@@ -224,10 +224,9 @@ class DenseEngine:
         admitted = []
         while self.waiting and len(self.free_slots) >= self.waiting[0].n:
             request = self.waiting.popleft()
-            samples = [
-                _Sample(slot=self.free_slots.pop(), tokens=list(request.prompt_token_ids))
-                for _ in range(request.n)
-            ]
+            prompt = request.prompt_token_ids
+            prompt = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)  # numpy prompts too
+            samples = [_Sample(slot=self.free_slots.pop(), tokens=list(prompt)) for _ in range(request.n)]
             running = _Running(request, samples)
             self.running.append(running)
             admitted.append(running)

@@ -32,7 +32,7 @@ from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutpu
 from kvbench.engines.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim_executor import CostModelExecutor, sim_setup
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
-from kvbench.types import CoveredStep, EngineContext, Request, StepOutput, StepStats, TokenEvent
+from kvbench.types import CoveredStep, EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
 
 PREFIX_INDEXES = {
     "block_hash": BlockHashPrefixIndex,
@@ -294,6 +294,11 @@ class PagedEngine:
         output = self.scheduler.schedule()
         result = self.executor.execute(output)
         targets = self.scheduler.complete_step()
+        # Memory and concurrency of the step as executed: read before sampling retires
+        # finished sequences (and frees their blocks), or a request's last step would
+        # never show its KV and peaks would read low.
+        usage = self.kv.usage()
+        num_running = sum(len(group.seqs) for group in self.scheduler.running)
         events = self._advance(targets, result)
         finished = self.scheduler.pop_finished()
         if self._is_cuda:
@@ -309,6 +314,8 @@ class PagedEngine:
             num_recomputed_tokens=output.num_recomputed_tokens,
             bytes_to_host=bytes_to_host,
             bytes_from_host=bytes_from_host,
+            usage=usage,
+            num_running=num_running,
         )
         return StepOutput(
             tokens=tuple(events),
@@ -329,19 +336,23 @@ class PagedEngine:
         num_recomputed_tokens: int = 0,
         bytes_to_host: int = 0,
         bytes_from_host: int = 0,
+        usage: KVUsage | None = None,
+        num_running: int | None = None,
     ) -> StepStats:
         """The step's StepStats; ``counters0`` are the KV manager's (prefix queries, hits,
-        evictions) before it. Pure."""
+        evictions) before it; ``usage``/``num_running`` as executed (default: now). Pure."""
         kv = self.kv
         scheduler = self.scheduler
         queries0, hits0, evicted0 = counters0
+        if num_running is None:
+            num_running = sum(len(group.seqs) for group in scheduler.running)
         return StepStats(
-            num_running=sum(len(group.seqs) for group in scheduler.running),
+            num_running=num_running,
             num_waiting=len(scheduler.waiting),
             num_scheduled_tokens=num_prefill_tokens + num_decode_tokens,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_decode_tokens,
-            kv=kv.usage(),
+            kv=usage if usage is not None else kv.usage(),
             num_swapped=len(scheduler.swapped),
             num_preemptions=num_preemptions,
             num_recomputed_tokens=num_recomputed_tokens,

@@ -35,7 +35,9 @@ def _presets(group: str) -> list[str]:
 
 
 def _hydra_help(command: str) -> str:
-    groups = "\n".join(f"  {g:<11}{', '.join(_presets(g))}" for g in ("model", "hardware", "engine", "workload"))
+    groups = "\n".join(
+        f"  {g:<11}{', '.join(_presets(g))}" for g in ("model", "hardware", "engine", "workload")
+    )
     experiments = ", ".join(_presets("experiment"))
     multirun = (
         "Runs a Hydra multirun: comma lists sweep (model=tiny-mha,tiny-gqa) and\n"

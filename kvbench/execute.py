@@ -124,7 +124,9 @@ def build_workload(cfg: DictConfig, tokenizer: Any | None = None) -> Workload:
     extra = {"tokenizer": tokenizer} if tokenizer is not None else {}
     workload = instantiate_plugin(cfg.workload, "workload", **extra)
     if not isinstance(workload, Workload):
-        raise ConfigError(f"workload: {cfg.workload._target_} returned {type(workload).__name__}, not a Workload")
+        raise ConfigError(
+            f"workload: {cfg.workload._target_} returned {type(workload).__name__}, not a Workload"
+        )
     return workload
 
 
@@ -143,7 +145,9 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
         "sweep_name": cfg.run.sweep_name,
         "mode": cfg.run.mode,
         "engine": cfg.engine.get("name", str(cfg.engine._target_).rsplit(".", 1)[-1]),
-        "engine_params": {k: v for k, v in OmegaConf.to_container(cfg.engine).items() if not k.startswith("_")},
+        "engine_params": {
+            k: v for k, v in OmegaConf.to_container(cfg.engine).items() if not k.startswith("_")
+        },
         "model": OmegaConf.to_container(cfg.model),
         "hardware": OmegaConf.to_container(cfg.hardware),
         "workload": cfg.workload.get("name", str(cfg.workload._target_).rsplit(".", 1)[-1]),
@@ -175,7 +179,9 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
         results.write_failed_run(run_dir, meta, error, config_yaml)
         return RunOutcome(run_dir, "failed", {}, error)
     meta.update(status="ok", error="")
-    results.write_run(run_dir, raw.requests, raw.steps, memory, meta, config_yaml, summary, missing=meta["missing"])
+    results.write_run(
+        run_dir, raw.requests, raw.steps, memory, meta, config_yaml, summary, missing=meta["missing"]
+    )
     return RunOutcome(run_dir, "ok", summary)
 
 
@@ -210,7 +216,11 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     if sim:
         # The process's memory is the simulator's own, not the modeled GPU's.
         memory = memory.iloc[0:0]
-        missing = {col: "simulation mode: no device memory exists to sample" for col in memory.columns if col != "t_s"}
+        missing = {
+            col: "simulation mode: no device memory exists to sample"
+            for col in memory.columns
+            if col != "t_s"
+        }
     meta.update(
         workload=workload.name,
         workload_source=workload.source,
@@ -224,7 +234,9 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
         kv_pool_bytes=None,
     )
     meta.update(engine.describe())  # kv_bytes_per_token, kv_pool_bytes, block_size, ...
-    summary = summarize_run(raw.requests, raw.steps, meta, memory, torch_peaks=None if sim else sampler.peaks())
+    summary = summarize_run(
+        raw.requests, raw.steps, meta, memory, torch_peaks=None if sim else sampler.peaks()
+    )
     # Keep only the reasons of metrics that really ended up missing.
     meta["missing"] = dict(summary.missing)
     metrics = dict(summary.metrics)
@@ -233,7 +245,9 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     return metrics, raw, memory
 
 
-def measure_quality(cfg: DictConfig, model: LlamaModel, engine: Engine, tokenizer: Any | None) -> dict[str, Any]:
+def measure_quality(
+    cfg: DictConfig, model: LlamaModel, engine: Engine, tokenizer: Any | None
+) -> dict[str, Any]:
     """Run the quality harness with the engine's single-sequence KV policy.
 
     Lossy engines expose ``sequence_backend_factory()``; a lossless engine is measured

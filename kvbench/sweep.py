@@ -50,7 +50,12 @@ def _record_config_failure(cfg: DictConfig, overrides: list[str], exc: ConfigErr
     sweep_name = str(cfg.get("run", {}).get("sweep_name", "single"))
     results_dir = str(cfg.get("run", {}).get("results_dir", "results"))
     run_dir = Path(results_dir) / sweep_name / run_id_for(overrides, "invalid")
-    meta: dict[str, Any] = {"run_id": run_dir.name, "sweep_name": sweep_name, "status": "failed", "error": str(exc)}
+    meta: dict[str, Any] = {
+        "run_id": run_dir.name,
+        "sweep_name": sweep_name,
+        "status": "failed",
+        "error": str(exc),
+    }
     results.write_failed_run(run_dir, meta, f"ConfigError: {exc}")
     print(f"kvbench: invalid configuration for job {overrides}: {exc}", file=sys.stderr)
     return RunOutcome(run_dir, "failed", {}, str(exc))

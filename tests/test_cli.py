@@ -17,7 +17,12 @@ SMALL = ["workload.num_requests=3", "workload.prompt_len=24", "workload.output_l
 def kvbench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "kvbench", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kvbench", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -38,7 +43,9 @@ def test_unknown_command_fails(tmp_path: Path) -> None:
 
 
 def test_size_json_is_exact_for_llama3_70b(tmp_path: Path) -> None:
-    out = kvbench("size", "model=llama-3-70b", "seq_len=8192", "batch=32", "hardware=h200-141gb", "--json", cwd=tmp_path)
+    out = kvbench(
+        "size", "model=llama-3-70b", "seq_len=8192", "batch=32", "hardware=h200-141gb", "--json", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["kv_bytes_per_token"] == 327_680
@@ -113,22 +120,38 @@ def test_gqa_vs_mha_sweep_compares_kv_heads(tmp_path: Path) -> None:
 
 def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     out = kvbench(
-        "sweep", "engine=dense", "engine.max_num_seqs=0,2", *SMALL, "run.sweep_name=partial", "run.report=false",
+        "sweep",
+        "engine=dense",
+        "engine.max_num_seqs=0,2",
+        *SMALL,
+        "run.sweep_name=partial",
+        "run.report=false",
         cwd=tmp_path,
     )
     assert out.returncode == 1, (out.stdout, out.stderr)
     statuses = sorted(
-        json.loads(p.read_text())["meta"]["status"] for p in (tmp_path / "results" / "partial").glob("*/run.json")
+        json.loads(p.read_text())["meta"]["status"]
+        for p in (tmp_path / "results" / "partial").glob("*/run.json")
     )
     assert statuses == ["failed", "ok"]
 
 
 @pytest.mark.parametrize("launcher", ["submitit_local", "joblib"])
 def test_launcher_plugins_land_in_one_sweep_directory(launcher: str, tmp_path: Path) -> None:
-    pytest.importorskip({"submitit_local": "hydra_plugins.hydra_submitit_launcher", "joblib": "hydra_plugins.hydra_joblib_launcher"}[launcher])
+    pytest.importorskip(
+        {
+            "submitit_local": "hydra_plugins.hydra_submitit_launcher",
+            "joblib": "hydra_plugins.hydra_joblib_launcher",
+        }[launcher]
+    )
     out = kvbench(
-        "sweep", f"hydra/launcher={launcher}", "model=tiny-mha,tiny-mqa", *SMALL,
-        f"run.sweep_name={launcher}", "run.report=false", cwd=tmp_path,
+        "sweep",
+        f"hydra/launcher={launcher}",
+        "model=tiny-mha,tiny-mqa",
+        *SMALL,
+        f"run.sweep_name={launcher}",
+        "run.report=false",
+        cwd=tmp_path,
     )
     assert out.returncode == 0, (out.stdout, out.stderr)
     runs = pd.read_parquet(tmp_path / "results" / launcher / "runs.parquet")
@@ -138,8 +161,14 @@ def test_launcher_plugins_land_in_one_sweep_directory(launcher: str, tmp_path: P
 
 def test_sim_mode_runs_a_paper_scale_model_without_tensors(tmp_path: Path) -> None:
     out = kvbench(
-        "run", "run.mode=sim", "engine=paged", "model=llama-3-8b", "hardware=h100-80gb", "workload=chat",
-        "engine.kv_memory_bytes=null", cwd=tmp_path,
+        "run",
+        "run.mode=sim",
+        "engine=paged",
+        "model=llama-3-8b",
+        "hardware=h100-80gb",
+        "workload=chat",
+        "engine.kv_memory_bytes=null",
+        cwd=tmp_path,
     )
     assert out.returncode == 0, (out.stdout, out.stderr)
     (run_dir,) = (tmp_path / "results" / "single").iterdir()

@@ -10,8 +10,17 @@ import torch
 from kvbench.model import DenseKVCache, LlamaModel, grouped_attention
 from kvbench.specs import ModelSpec
 
-TINY = ModelSpec(name="t", num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=16, hidden_size=128,
-                 intermediate_size=256, vocab_size=512, max_position_embeddings=256)
+TINY = ModelSpec(
+    name="t",
+    num_layers=2,
+    num_q_heads=8,
+    num_kv_heads=2,
+    head_dim=16,
+    hidden_size=128,
+    intermediate_size=256,
+    vocab_size=512,
+    max_position_embeddings=256,
+)
 
 
 def _logits_full(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
@@ -47,7 +56,9 @@ def test_mixed_batch_equals_separate_sequences() -> None:
     torch.testing.assert_close(logits[11:], _logits_full(model, b), rtol=1e-4, atol=1e-4)
 
 
-def test_grouped_attention_matches_repeated_heads_and_never_repeats_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_attention_matches_repeated_heads_and_never_repeats_kv(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(5, 8, 16, generator=gen)
     k = torch.randn(9, 2, 16, generator=gen)

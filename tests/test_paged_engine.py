@@ -366,3 +366,16 @@ def test_hydra_configs_build_the_engine(model, config, prefix_cache, preemption)
     assert (facts["prefix_cache"], facts["preemption"]) == (prefix_cache, preemption)
     assert facts["num_blocks"] == 33554432 // (16 * 2048)
     assert facts["num_host_blocks"] == (facts["num_blocks"] if preemption == "swap" else 0)
+
+
+def test_step_stats_show_the_memory_of_the_step_as_executed(model):
+    """A one-token request finishes in its only step; that step must still show its KV
+    and its sequence (read before retirement frees them), or peaks would read low."""
+    engine = make_engine(model, block_size=16, num_blocks=8)
+    engine.add_request(Request("only", 0.0, tuple(range(3, 23)), 1))
+    output = engine.step()
+    assert [f.request_id for f in output.finished] == ["only"]
+    assert output.stats.num_running == 1
+    assert output.stats.kv.num_blocks_in_use == 2
+    assert output.stats.kv.token_bytes == 20 * engine.bytes_per_token
+    assert engine.kv.usage().allocated_bytes == 0  # freed once the step is over

@@ -60,7 +60,9 @@ class ScriptedEngine:
             num_decode_tokens=len(tokens),
             kv=KVUsage(capacity_bytes=100, allocated_bytes=10, token_bytes=8),
         )
-        return StepOutput(tuple(tokens), tuple(first), tuple(finished), (), stats, modeled_duration_s=self.step_s)
+        return StepOutput(
+            tuple(tokens), tuple(first), tuple(finished), (), stats, modeled_duration_s=self.step_s
+        )
 
 
 def _workload(arrivals: list[float], max_new: int = 3, limit: int | None = None) -> Workload:

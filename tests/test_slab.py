@@ -305,10 +305,12 @@ def test_engine_waits_for_a_contiguous_region_and_reports_waste_per_step():
     assert second.kv.internal_frag_bytes == (1 + 1) * BPT
     assert second.kv.external_frag_bytes == 5 * 4 * BPT
     # C writes its last token in step 9 and frees its region, next to both holes; the
-    # merged 8-block run fits E, which starts in step 10.
+    # merged 8-block run fits E, which starts in step 10. Step stats show memory as the
+    # step executed (before C's region is freed), so the holes persist through step 9.
     start_step = next(i for i, o in enumerate(outputs) if "E" in o.first_scheduled)
     assert start_step == 10
-    assert [o.stats.kv.external_frag_bytes // (4 * BPT) for o in outputs[1:start_step]] == [5] * 8 + [0]
+    assert [o.stats.kv.external_frag_bytes // (4 * BPT) for o in outputs[1:start_step]] == [5] * 9
+    assert outputs[start_step].stats.kv.external_frag_bytes == 0
     assert engine.describe()["slab_reserve"] == "request"
 
 

@@ -130,7 +130,27 @@ def test_cli_bad_input_and_skip_invalid(tmp_path, capsys) -> None:
     assert capsys.readouterr().err == "error: prompt_len.std: must be >= 0, got -2\n"
 
 
-@pytest.mark.parametrize("config", sorted(p.stem for p in CONF.glob("*.yaml")))
+# *_large presets are paper-scale traffic for simulation mode (seed_claims), not for
+# tiny CPU models; they get their own test below.
+TINY_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml") if not p.stem.endswith("_large"))
+LARGE_CONFIGS = sorted(p.stem for p in CONF.glob("*_large.yaml"))
+
+
+@pytest.mark.parametrize("config", LARGE_CONFIGS)
+def test_paper_scale_configs_fit_llama3_context(config: str) -> None:
+    root = OmegaConf.create(
+        {
+            "model": {"vocab_size": 128256, "max_position_embeddings": 8192},
+            "seed": 0,
+            "workload": OmegaConf.load(CONF / f"{config}.yaml"),
+        }
+    )
+    workload = instantiate(root.workload)
+    assert len(workload.requests) >= 512
+    assert all(r.num_prompt_tokens + r.max_new_tokens <= 8192 for r in workload.requests)
+
+
+@pytest.mark.parametrize("config", TINY_CONFIGS)
 def test_every_workload_config_instantiates_for_a_tiny_model(config: str) -> None:
     root = OmegaConf.create(
         {
