@@ -386,8 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="output YAML (default: conf/hardware/NAME.yaml in kvbench.conf)"
     )
+    parser.add_argument("--force", action="store_true", help="overwrite an existing profile file")
     args = parser.parse_args(argv)
     from kvbench.results import ResultsError, load
+
+    out = Path(args.out) if args.out else default_output(args.name)
+    if out.exists() and not args.force:
+        print(
+            f"kvbench calibrate: {out} exists (a shipped or earlier profile); pick another --name or pass --force",
+            file=sys.stderr,
+        )
+        return 2
 
     try:
         runs, base = runs_from_results(load(args.results_dir))
@@ -395,7 +404,6 @@ def main(argv: list[str] | None = None) -> int:
     except (CalibrationError, ResultsError, SpecError) as exc:
         print(f"kvbench calibrate: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else default_output(args.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_yaml(result, args.results_dir))
     hw = result.hardware
