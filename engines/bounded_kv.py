@@ -32,12 +32,12 @@ from collections.abc import Sequence
 
 from kvbench.engines.block_pool import BlockPool
 from kvbench.engines.eviction import EvictionPolicy
-from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps, SeqTable
 from kvbench.types import KVUsage
 
 
 class _BoundedSeq:
-    __slots__ = ("block_ids", "num_slots", "num_positions", "prefill_target", "budget", "host_block_ids")
+    __slots__ = ("block_ids", "num_slots", "num_positions", "prefill_target", "budget", "host_blocks")
 
     def __init__(self, prefill_target: int, budget: int) -> None:
         self.block_ids: list[int] = []
@@ -45,10 +45,10 @@ class _BoundedSeq:
         self.num_positions = 0  # token positions reserved (slots + evicted)
         self.prefill_target = prefill_target
         self.budget = budget
-        self.host_block_ids: list[int] | None = None  # set while swapped out
+        self.host_blocks: list[int] | None = None  # set while swapped out
 
 
-class BoundedKVManager:
+class BoundedKVManager(SeqTable):
     """Block tables of bounded sequences over one device ``BlockPool`` and a host pool.
 
     Paired calls as in ``PagedKVManager``: a check call returns False when memory is short
@@ -103,7 +103,7 @@ class BoundedKVManager:
         return seq_id in self._seqs
 
     def is_swapped(self, seq_id: int) -> bool:
-        return self._seq(seq_id).host_block_ids is not None
+        return self._seq(seq_id).host_blocks is not None
 
     def num_tokens(self, seq_id: int) -> int:
         """Token slots allocated (at most the budget once the prefill is done)."""
@@ -225,8 +225,8 @@ class BoundedKVManager:
         del self._seqs[seq_id]
         self._released.append(seq_id)
         self.num_evicted_tokens_live -= seq.num_positions - seq.num_slots
-        if seq.host_block_ids is not None:
-            for b in reversed(seq.host_block_ids):
+        if seq.host_blocks is not None:
+            for b in reversed(seq.host_blocks):
                 self.host_pool.decref(b)
             return
         self._num_slots_resident -= seq.num_slots
@@ -249,13 +249,13 @@ class BoundedKVManager:
         pairs = tuple(zip(seq.block_ids, host))
         for b in reversed(seq.block_ids):
             self.pool.decref(b)
-        seq.host_block_ids = host
+        seq.host_blocks = host
         self._num_slots_resident -= seq.num_slots
         self.bytes_swapped_out += len(host) * self.bytes_per_block
         return KVOps(swap_out=pairs)
 
     def can_swap_in(self, seq_id: int) -> bool:
-        host = self._swapped(seq_id, "can_swap_in").host_block_ids
+        host = self._swapped(seq_id, "can_swap_in").host_blocks
         assert host is not None
         return len(host) <= self.pool.num_free
 
@@ -263,7 +263,7 @@ class BoundedKVManager:
         """Bring a swapped sequence back to fresh device blocks. Mutates both pools.
         Raises KVCapacityError when ``can_swap_in`` is False."""
         seq = self._swapped(seq_id, "swap_in")
-        host = seq.host_block_ids
+        host = seq.host_blocks
         assert host is not None
         if len(host) > self.pool.num_free:
             raise KVCapacityError(
@@ -272,7 +272,7 @@ class BoundedKVManager:
         seq.block_ids = [self.pool.allocate() for _ in host]
         for b in host:
             self.host_pool.decref(b)
-        seq.host_block_ids = None
+        seq.host_blocks = None
         self._num_slots_resident += seq.num_slots
         self.bytes_swapped_in += len(host) * self.bytes_per_block
         return KVOps(swap_in=tuple(zip(host, seq.block_ids)))
@@ -309,7 +309,7 @@ class BoundedKVManager:
         evicted = 0
         for seq_id, seq in self._seqs.items():
             want = self._blocks_for(seq.num_slots)
-            table = seq.host_block_ids if seq.host_block_ids is not None else seq.block_ids
+            table = seq.host_blocks if seq.host_blocks is not None else seq.block_ids
             assert len(table) == want, (
                 f"seq {seq_id}: {len(table)} blocks for {seq.num_slots} slots, want {want}"
             )
@@ -318,7 +318,7 @@ class BoundedKVManager:
             )
             assert seq.num_positions >= seq.num_slots, f"seq {seq_id}: fewer positions than slots"
             evicted += seq.num_positions - seq.num_slots
-            if seq.host_block_ids is not None:
+            if seq.host_blocks is not None:
                 for b in table:
                     host_refs[b] += 1
                 continue
@@ -360,27 +360,3 @@ class BoundedKVManager:
 
     def _blocks_for(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
-
-    def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
-        if seq_id in self._seqs:
-            raise ValueError(f"{op}: seq {seq_id} already exists")
-        if num_new_tokens < 0:
-            raise ValueError(f"{op}: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
-
-    def _seq(self, seq_id: int) -> _BoundedSeq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"BoundedKVManager: unknown seq {seq_id}") from None
-
-    def _resident(self, seq_id: int, op: str) -> _BoundedSeq:
-        seq = self._seq(seq_id)
-        if seq.host_block_ids is not None:
-            raise ValueError(f"{op}: seq {seq_id} is swapped out (swap_in first)")
-        return seq
-
-    def _swapped(self, seq_id: int, op: str) -> _BoundedSeq:
-        seq = self._seq(seq_id)
-        if seq.host_block_ids is None:
-            raise ValueError(f"{op}: seq {seq_id} is not swapped out")
-        return seq

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvbench.engines.block_pool import BlockPool
 from kvbench.engines.prefix_cache import PrefixIndex
@@ -63,7 +64,39 @@ class _Seq:
         self.host_blocks: dict[int, int] | None = None  # logical index -> host block; None: resident
 
 
-class PagedKVManager:
+class SeqTable:
+    """Per-sequence bookkeeping shared by the KV managers: lookups that name the
+    sequence and the operation on misuse. Subclasses keep ``_seqs`` (seq id -> state with
+    a ``host_blocks`` attribute that is None while the sequence is on the device)."""
+
+    _seqs: dict[int, Any]
+
+    def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"{op}: seq {seq_id} already exists")
+        if num_new_tokens < 0:
+            raise ValueError(f"{op}: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
+
+    def _seq(self, seq_id: int) -> Any:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"{type(self).__name__}: unknown seq {seq_id}") from None
+
+    def _resident(self, seq_id: int, op: str) -> Any:
+        seq = self._seq(seq_id)
+        if seq.host_blocks is not None:
+            raise ValueError(f"{op}: seq {seq_id} is swapped out (swap_in first)")
+        return seq
+
+    def _swapped(self, seq_id: int, op: str) -> Any:
+        seq = self._seq(seq_id)
+        if seq.host_blocks is None:
+            raise ValueError(f"{op}: seq {seq_id} is not swapped out")
+        return seq
+
+
+class PagedKVManager(SeqTable):
     """Block tables for live sequences over one device ``BlockPool`` and a host pool.
 
     Paired calls: ``can_allocate``/``allocate``, ``can_append``/``append``,
@@ -524,27 +557,3 @@ class PagedKVManager:
 
     def _exclusive_indexes(self, seq: _Seq) -> list[int]:
         return [i for i, b in enumerate(seq.block_ids) if self.pool.ref_count(b) == 1]
-
-    def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
-        if seq_id in self._seqs:
-            raise ValueError(f"{op}: seq {seq_id} already exists")
-        if num_new_tokens < 0:
-            raise ValueError(f"{op}: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
-
-    def _seq(self, seq_id: int) -> _Seq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"PagedKVManager: unknown seq {seq_id}") from None
-
-    def _resident(self, seq_id: int, op: str) -> _Seq:
-        seq = self._seq(seq_id)
-        if seq.host_blocks is not None:
-            raise ValueError(f"{op}: seq {seq_id} is swapped out (swap_in first)")
-        return seq
-
-    def _swapped(self, seq_id: int, op: str) -> _Seq:
-        seq = self._seq(seq_id)
-        if seq.host_blocks is None:
-            raise ValueError(f"{op}: seq {seq_id} is not swapped out")
-        return seq
