@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbench.engines.executor import Executor
-from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps, SeqTable
 from kvbench.engines.paged import PagedEngine
 from kvbench.types import EngineContext, KVUsage, Request
 
@@ -215,7 +215,7 @@ class _SlabSeq:
 
 
 # --------------------------------------------------------------------------- manager
-class SlabKVManager:
+class SlabKVManager(SeqTable):
     """Contiguous per-sequence regions over a flat arena; the ``PagedKVManager`` interface.
 
     Paired calls ``can_allocate``/``allocate`` and ``can_append``/``append``: a check call
@@ -600,18 +600,6 @@ class SlabKVManager:
                 f"SlabKVManager: seq {seq_id}: not bound to a scheduler (call bind; SlabEngine does)"
             )
         return self._directory.group_of(seq_id)
-
-    def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
-        if seq_id in self._seqs:
-            raise ValueError(f"{op}: seq {seq_id} already exists")
-        if num_new_tokens < 0:
-            raise ValueError(f"{op}: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
-
-    def _seq(self, seq_id: int) -> _SlabSeq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise KeyError(f"SlabKVManager: unknown seq {seq_id}") from None
 
 
 # --------------------------------------------------------------------------- engine
