@@ -178,7 +178,12 @@ class TorchExecutor:
             if op.swap_in:
                 host_ids = self._index([h for h, _ in op.swap_in], torch.device("cpu"))
                 device_ids = self._index([d for _, d in op.swap_in], self.device)
-                self.kv[:, :, device_ids] = self.host[:, :, host_ids].to(self.device, non_blocking=True)
+                # Gather into page-locked memory on CUDA: fancy indexing of the pinned pool
+                # would make an unpinned copy and silently turn non_blocking into a sync.
+                shape = (*self.host.shape[:2], len(op.swap_in), *self.host.shape[3:])
+                staged = torch.empty(shape, dtype=self.host.dtype, pin_memory=self.kv.is_cuda)
+                torch.index_select(self.host, 2, host_ids, out=staged)
+                self.kv[:, :, device_ids] = staged.to(self.device, non_blocking=True)
             if op.copies:
                 # Copy-on-write: sources are shared blocks, destinations fresh ones (disjoint sets).
                 src = self._index([s for s, _ in op.copies], self.device)
