@@ -318,7 +318,20 @@ class PagedKVManager(SeqTable):
         seq = self._seq(seq_id)
         self.prefix_index.release(seq_id)
         del self._seqs[seq_id]
-        host = seq.host_blocks or {}
+        host = seq.host_blocks
+        if not host:
+            # Resident (the common case): drop the table's sequence references, then the
+            # pool references in one call, both tail first.
+            tail_first = seq.block_ids[::-1]
+            seq_refs, claimed = self._seq_refs, self._claimed
+            for b in tail_first:
+                r = seq_refs[b] - 1
+                seq_refs[b] = r
+                if r == 0:
+                    self._num_blocks_in_use -= 1
+                    self._num_token_slots -= claimed[b]
+            self.pool.free_many(tail_first)
+            return
         for i in range(len(seq.block_ids) - 1, -1, -1):
             b = seq.block_ids[i]
             if i in host:
@@ -513,12 +526,20 @@ class PagedKVManager(SeqTable):
                 # Sole holder (stale claims are overwritten) or first to claim the next slot.
                 self._set_claimed(last, offset + take)
             remaining -= take
-        while remaining > 0:
-            b = self._new_block()
-            take = min(remaining, bs)
-            self._set_claimed(b, take)
-            table.append(b)
-            remaining -= take
+        if remaining > 0:
+            # Fresh blocks in one pool call; what _new_block + _set_claimed do per block,
+            # batched: a fresh block has no sequence reference yet, so each gains its first
+            # one and claims a full block's slots (the last one the rest).
+            num_fresh = -(-remaining // bs)
+            fresh = self.pool.allocate_many(num_fresh)
+            claimed, seq_refs = self._claimed, self._seq_refs
+            for b in fresh:
+                claimed[b] = bs
+                seq_refs[b] = 1
+            claimed[fresh[-1]] = remaining - (num_fresh - 1) * bs
+            self._num_blocks_in_use += num_fresh
+            self._num_token_slots += remaining
+            table.extend(fresh)
         seq.num_tokens += num_new
         return KVOps(copies=copies) if copies else NO_OPS
 

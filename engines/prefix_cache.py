@@ -196,8 +196,12 @@ class BlockKeyChain:
             raise ValueError(f"BlockKeyChain: {num_blocks} blocks asked of {len(token_ids)} tokens")
         extra = self.extra_key
         parent = hashes[-1] if hashes else None
-        for i in range(len(keys), num_blocks):
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra)
+        first = len(keys)
+        # One slice for all new blocks (a TokenPrefix view slices in one call; per-block
+        # slices through it cost a Python __getitem__ each), then per-block tuples.
+        span = token_ids[first * bs : num_blocks * bs]
+        for start in range(0, len(span), bs):
+            key = (parent, tuple(span[start : start + bs]), extra)
             parent = hash(key)
             keys.append(key)
             hashes.append(parent)
@@ -307,6 +311,7 @@ class BlockHashPrefixIndex:
         self._num_evicted_blocks = 0
         # Per block: how many times its registration was dropped (match memo validity).
         self._epoch: list[int] = []
+        self._block_hash: list[int] = []
 
     # ------------------------------------------------------------------ protocol
     def bind(self, pool: BlockPool, block_size: int) -> None:
@@ -317,6 +322,7 @@ class BlockHashPrefixIndex:
         self._pool = pool
         self._block_size = block_size
         self._epoch = [0] * pool.num_blocks
+        self._block_hash = [0] * pool.num_blocks  # hash(_block_key[b]) while b is registered
         pool.set_reuse_listener(self._on_block_reused)
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
@@ -388,14 +394,18 @@ class BlockHashPrefixIndex:
         if chain is None:
             chain = state.chain = self._chain(token_ids, extra_key)
         chain.extend(token_ids, num_full)
-        lookup, block_key = self._hash_to_block, self._block_key
+        lookup, block_key, block_hash = self._hash_to_block, self._block_key, self._block_hash
+        hashes, keys = chain.hashes, chain.keys
+        registered = []
         for i in range(state.num_blocks, num_full):
-            h = chain.hashes[i]
+            h = hashes[i]
             if h not in lookup:
                 block = block_ids[i]
                 lookup[h] = block
-                block_key[block] = chain.keys[i]
-                pool.set_cached(block, True)
+                block_key[block] = keys[i]
+                block_hash[block] = h
+                registered.append(block)
+        pool.set_cached_many(registered)
         state.num_blocks = num_full
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -425,6 +435,7 @@ class BlockHashPrefixIndex:
         for h, block in self._hash_to_block.items():
             key = self._block_key.get(block)
             assert key is not None and hash(key) == h, f"hash map entry for block {block} not mirrored"
+            assert self._block_hash[block] == h, f"block {block}: stored hash disagrees with its key"
         assert len(self._block_key) == len(self._hash_to_block), (
             f"{len(self._block_key)} hashed blocks but {len(self._hash_to_block)} hash map entries"
         )
@@ -441,8 +452,9 @@ class BlockHashPrefixIndex:
 
     def _on_block_reused(self, block_id: int) -> None:
         # The pool is about to overwrite a cached-free block: forget it (lazy eviction).
-        key = self._block_key.pop(block_id)
-        del self._hash_to_block[hash(key)]
+        del self._block_key[block_id]
+        # The stored hash: rehashing the key's token tuple costs as much as the first hash.
+        del self._hash_to_block[self._block_hash[block_id]]
         self._epoch[block_id] += 1
         self._num_evicted_blocks += 1
 

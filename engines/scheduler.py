@@ -428,6 +428,7 @@ class Scheduler:
             return False
         if len(group.seqs) != 1:
             return True
+        group.materialize()
         kv = self.kv
         seq = group.seqs[0]
         salt = group.request.cache_salt
@@ -584,6 +585,7 @@ class Scheduler:
             group = self.waiting[0]
             if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
                 return
+            group.materialize()
             hold_last = group.is_beam and group.has_forked
             salt = group.request.cache_salt
             admitted: list[Sequence] = []

@@ -31,7 +31,10 @@ class GroupStatus(enum.Enum):
 
 
 class Sequence:
-    """One token stream (a sample or a beam). Mutable; owned by its group."""
+    """One token stream (a sample or a beam). Mutable; owned by its group.
+
+    ``token_ids`` is a ``KeyedTokenIds`` list, except for a waiting prompt that still holds
+    the request's read-only numpy array (``SequenceGroup.materialize`` converts it)."""
 
     __slots__ = (
         "seq_id",
@@ -115,8 +118,12 @@ class SequenceGroup:
         self.eos_token_id = eos_token_id
         self.arrival_index = arrival_index
         # Append-only token ids that remember their prefix-cache block keys (computed once).
-        prompt = KeyedTokenIds(request.prompt_token_ids)
-        self.seqs: list[Sequence] = [Sequence(first_seq_id, 0, prompt, len(prompt))]
+        # A numpy prompt (large traces) stays the request's array until ``materialize``:
+        # as Python ints it takes ~10x the memory, and an overloaded replay keeps most of
+        # a trace waiting (the full Mooncake trace held 6.9 GB of prompt lists).
+        prompt = request.prompt_token_ids
+        tokens = prompt if hasattr(prompt, "tolist") else KeyedTokenIds(prompt)
+        self.seqs: list[Sequence] = [Sequence(first_seq_id, 0, tokens, len(prompt))]
         self.status = GroupStatus.WAITING
         self.has_forked = False
         self.finished_outputs: dict[int, tuple[int, ...]] = {}
@@ -127,6 +134,14 @@ class SequenceGroup:
         self.was_scheduled = False
         self.peak_kv_slots = 0
         self.peak_kv_slots_unshared = 0
+
+    def materialize(self) -> None:
+        """Turn a prompt still held as the request's numpy array into ``KeyedTokenIds``
+        (appendable, carrying its prefix keys). The scheduler calls it before it reads a
+        waiting group's tokens (admission); a no-op once done. Mutates ``seqs[*].token_ids``."""
+        for seq in self.seqs:
+            if type(seq.token_ids) is not KeyedTokenIds:
+                seq.token_ids = KeyedTokenIds(seq.token_ids)
 
     @property
     def request_id(self) -> str:

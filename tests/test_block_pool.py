@@ -135,6 +135,43 @@ class PoolMachine(RuleBasedStateMachine):
         self.hard[b] = 1
 
     @rule(data=st.data())
+    def allocate_many(self, data):
+        # The batched pop must hand out exactly what repeated single pops would.
+        n = data.draw(st.integers(0, len(self.free_order)))
+        num_reused = len(self.reused)
+        blocks = self.pool.allocate_many(n)
+        assert blocks == self.free_order[:n]
+        del self.free_order[:n]
+        assert self.reused[num_reused:] == [b for b in blocks if self.cached[b]]
+        for b in blocks:
+            self.cached[b] = False
+            self.hard[b] = 1
+
+    @precondition(lambda self: any(self.hard))
+    @rule(data=st.data())
+    def free_many(self, data):
+        held = [b for b in range(self.NUM_BLOCKS) for _ in range(self.hard[b])]
+        picked = data.draw(st.lists(st.sampled_from(held), max_size=len(held)))
+        counts = {b: picked.count(b) for b in picked}
+        if any(counts[b] > self.hard[b] for b in counts):
+            return  # more decrefs than hard references: the misuse test covers that
+        num_freed = self.pool.free_many(picked)
+        expect = 0
+        for b in picked:
+            self.hard[b] -= 1
+            if self.hard[b] + self.soft[b] == 0:
+                self.free_order.append(b)
+                expect += 1
+        assert num_freed == expect
+
+    @rule(data=st.data())
+    def set_cached_many(self, data):
+        blocks = data.draw(st.lists(st.integers(0, self.NUM_BLOCKS - 1), max_size=self.NUM_BLOCKS))
+        self.pool.set_cached_many(blocks)
+        for b in blocks:
+            self.cached[b] = True
+
+    @rule(data=st.data())
     def incref(self, data):
         b = data.draw(st.integers(0, self.NUM_BLOCKS - 1))
         if self.hard[b] + self.soft[b] == 0:

@@ -351,3 +351,41 @@ def test_kv_manager_and_factory_together_are_refused():
     kv = PagedKVManager(8, 4, 1, NullPrefixIndex())
     with pytest.raises(ValueError, match="engine.kv_manager"):
         make_engine(block_size=4, num_blocks=8, kv_manager=kv, kv_manager_factory=lambda *a: kv)
+
+
+def _drive_prompts(prompts: list) -> tuple[list[tuple], list[list[str]]]:
+    """Run prompts to completion on a bare scheduler (one sequence at a time, stand-in
+    token 7); returns every step's chunks and the token-id types of waiting groups."""
+    from kvbench.engines.prefix_cache import BlockHashPrefixIndex
+
+    kv = PagedKVManager(32, 4, 16, BlockHashPrefixIndex())
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=6), eos_token_id=2)
+    for i, prompt in enumerate(prompts):
+        sched.add(Request(f"r{i}", 0.0, prompt, 3, ignore_eos=True))
+    steps, waiting_types = [], []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        steps.append(tuple((c.seq_id, c.token_ids, c.start_pos, c.sample) for c in out.chunks))
+        waiting_types.append([type(g.seqs[0].token_ids).__name__ for g in sched.waiting])
+        for group, seq in sched.complete_step():
+            sched.append_token(group, seq, 7)
+        sched.pop_finished()
+        kv.check()
+    return steps, waiting_types
+
+
+def test_numpy_prompts_stay_arrays_until_admitted_and_schedule_like_tuples():
+    np = pytest.importorskip("numpy")
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [30, 31, 32]]
+    arrays = []
+    for p in prompts:
+        a = np.asarray(p, dtype=np.int32)
+        a.setflags(write=False)
+        arrays.append(a)
+    steps_np, waiting_np = _drive_prompts(arrays)
+    steps_tuple, _ = _drive_prompts([tuple(p) for p in prompts])
+    assert steps_np == steps_tuple
+    # Step 1 admits r0 only (one sequence at a time): r1 and r2 still hold their arrays.
+    # A waiting head is materialized when admission looks at it, the rest never earlier.
+    assert waiting_np[0] == ["ndarray", "ndarray"]
+    assert all(types[1:] == ["ndarray"] * (len(types) - 1) for types in waiting_np)
