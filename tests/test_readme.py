@@ -17,9 +17,14 @@ def test_metric_table_matches_the_code() -> None:
 
 def test_first_lines_are_the_install_and_test_commands() -> None:
     block = README.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
-    assert block[0].startswith("pip install torch==2.13.0") and "kvbench sweep +experiment=gqa_vs_mha" in block[0]
+    assert (
+        block[0].startswith("pip install torch==2.13.0")
+        and "kvbench sweep +experiment=gqa_vs_mha" in block[0]
+    )
     assert block[1] == "python -m pytest -q"
-    assert '"$PY" -m pytest -q' in (ROOT / ".ci" / "run").read_text(), ".ci/run must run the README test command"
+    assert '"$PY" -m pytest -q' in (ROOT / ".ci" / "run").read_text(), (
+        ".ci/run must run the README test command"
+    )
 
 
 def test_presets_named_in_the_readme_exist() -> None:
