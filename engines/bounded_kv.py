@@ -99,12 +99,6 @@ class BoundedKVManager(SeqTable):
     def bytes_per_block(self) -> int:
         return self.block_size * self.bytes_per_token
 
-    def has_seq(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
-
-    def is_swapped(self, seq_id: int) -> bool:
-        return self._seq(seq_id).host_blocks is not None
-
     def num_tokens(self, seq_id: int) -> int:
         """Token slots allocated (at most the budget once the prefill is done)."""
         return self._seq(seq_id).num_slots
@@ -112,10 +106,6 @@ class BoundedKVManager(SeqTable):
     def budget(self, seq_id: int) -> int:
         """The sequence's budget in token slots per layer and KV head."""
         return self._seq(seq_id).budget
-
-    def block_table(self, seq_id: int) -> list[int]:
-        """Physical device block ids in logical slot order (a copy). ValueError if swapped."""
-        return list(self._resident(seq_id, "block_table").block_ids)
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Physical slot ``block * block_size + offset`` of logical slots [start, end)."""

@@ -71,6 +71,16 @@ class SeqTable:
 
     _seqs: dict[int, Any]
 
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self._seq(seq_id).host_blocks is not None
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical device block ids in logical order (a copy). ValueError if swapped out."""
+        return list(self._resident(seq_id, "block_table").block_ids)
+
     def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
         if seq_id in self._seqs:
             raise ValueError(f"{op}: seq {seq_id} already exists")
@@ -158,19 +168,10 @@ class PagedKVManager(SeqTable):
     def bytes_per_block(self) -> int:
         return self.block_size * self.bytes_per_token
 
-    def has_seq(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
-
-    def is_swapped(self, seq_id: int) -> bool:
-        return self._seq(seq_id).host_blocks is not None
 
     def num_tokens(self, seq_id: int) -> int:
         """Token slots (positions) allocated for the sequence."""
         return self._seq(seq_id).num_tokens
-
-    def block_table(self, seq_id: int) -> list[int]:
-        """Physical device block ids in logical order (a copy). ValueError if swapped out."""
-        return list(self._resident(seq_id, "block_table").block_ids)
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Physical slot ``block * block_size + offset`` for positions ``[start, end)``."""

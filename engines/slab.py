@@ -296,9 +296,6 @@ class SlabKVManager(SeqTable):
         )
 
     # ------------------------------------------------------------------ queries
-    def has_seq(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
-
     def is_swapped(self, seq_id: int) -> bool:
         self._seq(seq_id)
         return False
