@@ -168,7 +168,6 @@ class PagedKVManager(SeqTable):
     def bytes_per_block(self) -> int:
         return self.block_size * self.bytes_per_token
 
-
     def num_tokens(self, seq_id: int) -> int:
         """Token slots (positions) allocated for the sequence."""
         return self._seq(seq_id).num_tokens
