@@ -47,6 +47,11 @@ class _BoundedSeq:
         self.budget = budget
         self.host_blocks: list[int] | None = None  # set while swapped out
 
+    @property
+    def num_tokens(self) -> int:
+        """Slots held, the name SeqTable's shared queries read."""
+        return self.num_slots
+
 
 class BoundedKVManager(SeqTable):
     """Block tables of bounded sequences over one device ``BlockPool`` and a host pool.
@@ -106,16 +111,6 @@ class BoundedKVManager(SeqTable):
     def budget(self, seq_id: int) -> int:
         """The sequence's budget in token slots per layer and KV head."""
         return self._seq(seq_id).budget
-
-    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Physical slot ``block * block_size + offset`` of logical slots [start, end)."""
-        seq = self._resident(seq_id, "slot_mapping")
-        if not 0 <= start <= end <= seq.num_slots:
-            raise ValueError(
-                f"slot_mapping: seq {seq_id} range [{start}, {end}) outside its {seq.num_slots} slots"
-            )
-        bs = self.block_size
-        return [seq.block_ids[s // bs] * bs + s % bs for s in range(start, end)]
 
     def num_cached_tokens(self, token_ids: Sequence[int], extra_key: str | None) -> int:
         """Always 0: bounded sequences have no prefix cache."""

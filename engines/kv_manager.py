@@ -67,9 +67,11 @@ class _Seq:
 class SeqTable:
     """Per-sequence bookkeeping shared by the KV managers: lookups that name the
     sequence and the operation on misuse. Subclasses keep ``_seqs`` (seq id -> state with
-    a ``host_blocks`` attribute that is None while the sequence is on the device)."""
+    ``block_ids``, ``num_tokens`` slots and ``host_blocks``, None while on the device)
+    and ``block_size``."""
 
     _seqs: dict[int, Any]
+    block_size: int
 
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -80,6 +82,20 @@ class SeqTable:
     def block_table(self, seq_id: int) -> list[int]:
         """Physical device block ids in logical order (a copy). ValueError if swapped out."""
         return list(self._resident(seq_id, "block_table").block_ids)
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Physical slot ``block * block_size + offset`` for slots ``[start, end)``.
+
+        ValueError when the sequence is swapped out or the range exceeds its slots.
+        """
+        seq = self._resident(seq_id, "slot_mapping")
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(
+                f"slot_mapping: seq {seq_id} range [{start}, {end}) outside its {seq.num_tokens} slots"
+            )
+        bs = self.block_size
+        table = seq.block_ids
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
         if seq_id in self._seqs:
@@ -171,17 +187,6 @@ class PagedKVManager(SeqTable):
     def num_tokens(self, seq_id: int) -> int:
         """Token slots (positions) allocated for the sequence."""
         return self._seq(seq_id).num_tokens
-
-    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Physical slot ``block * block_size + offset`` for positions ``[start, end)``."""
-        seq = self._resident(seq_id, "slot_mapping")
-        if not 0 <= start <= end <= seq.num_tokens:
-            raise ValueError(
-                f"slot_mapping: seq {seq_id} range [{start}, {end}) outside its {seq.num_tokens} slots"
-            )
-        bs = self.block_size
-        table = seq.block_ids
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def num_cached_tokens(self, token_ids: Sequence[int], extra_key: str | None) -> int:
         """Tokens of ``token_ids`` already cached (<= len - 1; block aligned for the hash
