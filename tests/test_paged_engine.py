@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from engine_driver import drive_engine
 
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sampler import SampleKey, Sampler
@@ -39,19 +40,7 @@ def make_engine(model: LlamaModel, **params) -> PagedEngine:
 
 
 def run(engine: PagedEngine, requests: list[Request], max_steps: int = 2000):
-    for request in requests:
-        engine.add_request(request)
-    finished, rejected, outputs = {}, {}, []
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return finished, rejected, outputs
-        out = engine.step()
-        engine.kv.check()
-        engine.scheduler.check()
-        outputs.append(out)
-        finished.update((f.request_id, f) for f in out.finished)
-        rejected.update((r.request_id, r) for r in out.rejected)
-    raise AssertionError("engine did not finish")
+    return drive_engine(engine, requests, max_steps)
 
 
 # --------------------------------------------------------------------------- references

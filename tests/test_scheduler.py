@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_driver import drive_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -90,21 +91,7 @@ def make_engine(random_logits: bool = False, **params) -> tuple[PagedEngine, Sha
 
 
 def run(engine: PagedEngine, max_steps: int = 5000) -> tuple[dict, dict, list]:
-    finished, rejected, outputs = {}, {}, []
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return finished, rejected, outputs
-        out = engine.step()
-        engine.kv.check()
-        engine.scheduler.check()
-        outputs.append(out)
-        for f in out.finished:
-            assert f.request_id not in finished and f.request_id not in rejected
-            finished[f.request_id] = f
-        for r in out.rejected:
-            assert r.request_id not in finished and r.request_id not in rejected
-            rejected[r.request_id] = r
-    raise AssertionError(f"engine did not finish in {max_steps} steps")
+    return drive_engine(engine, (), max_steps)
 
 
 def req(rid: str, prompt, max_new: int, **kw) -> Request:

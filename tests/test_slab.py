@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from engine_driver import drive_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -271,21 +272,8 @@ def shadow_engine(spec: ModelSpec, random_logits: bool = False, **params) -> Sla
     return engine
 
 
-def drive(engine, requests: list[Request], max_steps: int = 5000):
-    for request in requests:
-        engine.add_request(request)
-    finished, rejected, outputs = {}, {}, []
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return finished, rejected, outputs
-        out = engine.step()
-        if isinstance(engine, PagedEngine):
-            engine.kv.check()
-            engine.scheduler.check()
-        outputs.append(out)
-        finished.update((f.request_id, f) for f in out.finished)
-        rejected.update((r.request_id, r) for r in out.rejected)
-    raise AssertionError("engine did not finish")
+def drive(engine, requests: list[Request], max_steps: int = 5000):  # noqa: ANN001
+    return drive_engine(engine, requests, max_steps)
 
 
 def test_engine_waits_for_a_contiguous_region_and_reports_waste_per_step():
