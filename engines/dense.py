@@ -19,6 +19,7 @@ import torch
 
 from kvbench.engines.sampler import SampleKey, Sampler
 from kvbench.model import DenseKVCache, torch_dtype
+from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_token
 from kvbench.types import (
     EngineContext,
@@ -134,6 +135,10 @@ class DenseEngine:
                 sample.output.append(token)
                 sample.tokens.append(token)
                 tokens.append(TokenEvent(key.request_id, key.sample_index, token))
+        shape = StepShape.build(
+            [(start, n) for (r, _), (_, start, n) in zip(entries, layout) if r in admitted],
+            [start + n for (r, _), (_, start, n) in zip(entries, layout) if r not in admitted],
+        )
         stats = StepStats(
             num_running=num_running,
             num_waiting=len(self.waiting),
@@ -141,6 +146,10 @@ class DenseEngine:
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             kv=self.usage(),
+            num_prefill_seqs=shape.num_prefill_seqs,
+            num_prefill_attention_pairs=shape.num_prefill_attention_pairs,
+            num_prefill_context_tokens=shape.num_prefill_context_tokens,
+            num_decode_context_tokens=shape.num_decode_context_tokens,
         )
         return StepOutput(
             tokens=tuple(tokens),

@@ -31,6 +31,7 @@ from kvbench.engines.sampler import SampleKey, Sampler, log_softmax, stable_seed
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvbench.engines.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim_executor import CostModelExecutor, sim_setup
+from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
 from kvbench.types import CoveredStep, EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
 
@@ -310,6 +311,7 @@ class PagedEngine:
             counters0,
             num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens,
+            shape=output.shape,
             num_preemptions=output.num_preemptions,
             num_recomputed_tokens=output.num_recomputed_tokens,
             bytes_to_host=bytes_to_host,
@@ -332,6 +334,7 @@ class PagedEngine:
         *,
         num_prefill_tokens: int,
         num_decode_tokens: int,
+        shape: StepShape,
         num_preemptions: int = 0,
         num_recomputed_tokens: int = 0,
         bytes_to_host: int = 0,
@@ -362,6 +365,10 @@ class PagedEngine:
             bytes_to_host=bytes_to_host,
             bytes_from_host=bytes_from_host,
             modeled_transfer_s=(bytes_to_host + bytes_from_host) / (self.ctx.hardware.pcie_gbps * 1e9),
+            num_prefill_seqs=shape.num_prefill_seqs,
+            num_prefill_attention_pairs=shape.num_prefill_attention_pairs,
+            num_prefill_context_tokens=shape.num_prefill_context_tokens,
+            num_decode_context_tokens=shape.num_decode_context_tokens,
         )
 
     # ------------------------------------------------------------------ decode runs
@@ -428,9 +435,14 @@ class PagedEngine:
                 TokenEvent(group.request_id, seq.sample_index, token, offset)
                 for (group, seq), token in zip(pairs, tokens)
             )
+            # Each step decodes one more token per sequence than the last.
+            shape = StepShape(
+                num_decode_seqs=len(pairs), num_decode_context_tokens=context + offset * len(pairs)
+            )
             covered.append(
                 CoveredStep(
-                    duration_s, self._stats(counters0, num_prefill_tokens=0, num_decode_tokens=len(pairs))
+                    duration_s,
+                    self._stats(counters0, num_prefill_tokens=0, num_decode_tokens=len(pairs), shape=shape),
                 )
             )
             executor.num_steps += 1

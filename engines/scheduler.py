@@ -37,11 +37,13 @@ import bisect
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbench.engines.kv_manager import NO_OPS
 from kvbench.engines.prefix_cache import TokenPrefix
 from kvbench.engines.sequence import GroupStatus, Sequence, SequenceGroup
+from kvbench.sim.cost_model import StepShape
 from kvbench.types import FinishedRequest, RejectedRequest, Request
 
 if TYPE_CHECKING:
@@ -152,6 +154,20 @@ class SchedulerOutput:
     @property
     def num_sampling_chunks(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.sample)
+
+    @cached_property
+    def shape(self) -> StepShape:
+        """The step's composition for the cost model (host bytes left 0: the executor
+        knows the block bytes). Computed once per output: the sim executor prices it and
+        the engine records it in the step stats."""
+        prefill_chunks = []
+        decode_lens = []
+        for chunk in self.chunks:
+            if chunk.is_decode:
+                decode_lens.append(chunk.start_pos + 1)
+            else:
+                prefill_chunks.append((chunk.start_pos, len(chunk.token_ids)))
+        return StepShape.build(prefill_chunks, decode_lens)
 
 
 class _Piece:

@@ -20,6 +20,7 @@ The pool of a simulated engine is sized the way real engines size theirs on
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -60,15 +61,11 @@ class CostModelExecutor:
     def shape(self, output: SchedulerOutput) -> StepShape:
         """The step's composition: decode chunks by context length, prefill chunks by
         (start, length), swapped blocks as host bytes. Pure."""
-        prefill_chunks = []
-        decode_lens = []
-        for chunk in output.chunks:
-            if chunk.is_decode:
-                decode_lens.append(chunk.start_pos + 1)
-            else:
-                prefill_chunks.append((chunk.start_pos, chunk.num_tokens))
+        shape = output.shape
         num_swapped = sum(len(op.swap_out) + len(op.swap_in) for op in output.kv_ops)
-        return StepShape.build(prefill_chunks, decode_lens, num_swapped * self.bytes_per_block)
+        if num_swapped:
+            shape = dataclasses.replace(shape, host_bytes=num_swapped * self.bytes_per_block)
+        return shape
 
     def execute(self, output: SchedulerOutput) -> ExecutionResult:
         """No tensors: the modeled duration of ``output`` and no logits."""

@@ -135,6 +135,15 @@ class StepStats:
     bytes_to_host: int = 0
     bytes_from_host: int = 0
     modeled_transfer_s: float = 0.0  # host transfer time from the PCIe model (labelled modeled)
+    # The step's composition as the cost model reads it (kvbench.sim.cost_model.StepShape),
+    # so calibration fits measured step times against the shapes simulation will price:
+    # sequences with a prefill chunk, causal (query, key) pairs of those chunks, KV tokens
+    # they read (cached prefix + chunk), and decode context (each decoding sequence's
+    # length including the token decoded). 0 with tokens of that kind means not recorded.
+    num_prefill_seqs: int = 0
+    num_prefill_attention_pairs: int = 0
+    num_prefill_context_tokens: int = 0
+    num_decode_context_tokens: int = 0
     # Offload: recall of the true top attention tokens among host-resident ones that the
     # fetch picked, and the copy time measured on CUDA (side stream events). NaN when
     # nothing was fetched / measured this step (never 0 for "not measured").

@@ -100,16 +100,18 @@ def shape_from_step(row: Mapping[str, Any], kv_bytes_per_token: int) -> StepShap
             raise CalibrationError(f"steps column {name!r} is missing")
     prefill = _int_column(row, "num_prefill_tokens", 0)
     decode = _int_column(row, "num_decode_tokens", 0)
-    prefill_seqs = _int_column(row, "num_prefill_seqs", 1 if prefill else 0)
+    # An engine that does not record a shape column leaves it 0 (the StepStats default);
+    # 0 next to tokens of that kind means "not recorded" and the approximation is used.
+    prefill_seqs = _int_column(row, "num_prefill_seqs", 0) or (1 if prefill else 0)
     # One chunk per prefilling sequence, each starting at 0 and of equal length, unless
     # the engine recorded the exact figures.
     per_chunk = prefill / prefill_seqs if prefill_seqs else 0
-    pairs = _int_column(
-        row, "num_prefill_attention_pairs", round(prefill_seqs * per_chunk * (per_chunk + 1) / 2)
+    pairs = _int_column(row, "num_prefill_attention_pairs", 0) or round(
+        prefill_seqs * per_chunk * (per_chunk + 1) / 2
     )
-    prefill_context = _int_column(row, "num_prefill_context_tokens", prefill)
+    prefill_context = _int_column(row, "num_prefill_context_tokens", 0) or prefill
     held = _int_column(row, "kv_token_bytes", 0) // kv_bytes_per_token
-    decode_context = _int_column(row, "num_decode_context_tokens", max(decode, held - prefill_context))
+    decode_context = _int_column(row, "num_decode_context_tokens", 0) or max(decode, held - prefill_context)
     host = _int_column(row, "bytes_to_host", 0) + _int_column(row, "bytes_from_host", 0)
     return StepShape(
         prefill, prefill_seqs, pairs, prefill_context, decode, decode_context if decode else 0, host
