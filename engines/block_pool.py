@@ -16,7 +16,8 @@ Two optional block properties serve the prefix indexes:
 
 - *cached*: a free block that still holds reusable KV (block-hash index). It stays
   in the free list; when ``allocate`` pops it for reuse, the pool clears the flag and
-  calls the reuse listener so the index can forget it (lazy eviction).
+  calls the reuse listener with the reused ids so the index can forget them (lazy
+  eviction; one call per allocation, since a long prefill chunk reuses hundreds).
 - *soft references*: references the holder gives up on request (unlocked radix-tree
   nodes). A block whose every reference is soft is *reclaimable*: not free yet, but an
   index ``evict`` can free it. ``num_reclaimable`` is kept exact in O(1) per call.
@@ -60,6 +61,7 @@ class BlockPool:
         "_num_cached_free",
         "_num_reclaimable",
         "_reuse_listener",
+        "_ref_version",
     )
 
     def __init__(self, num_blocks: int) -> None:
@@ -79,7 +81,8 @@ class BlockPool:
         self._num_free = num_blocks
         self._num_cached_free = 0
         self._num_reclaimable = 0
-        self._reuse_listener: Callable[[int], None] | None = None
+        self._reuse_listener: Callable[[list[int]], None] | None = None
+        self._ref_version = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -96,6 +99,14 @@ class BlockPool:
     def num_reclaimable(self) -> int:
         """Referenced blocks whose every reference is soft (an index eviction frees them)."""
         return self._num_reclaimable
+
+    @property
+    def ref_version(self) -> int:
+        """Changes whenever ``incref``, ``decref`` or ``free_many`` moves a block out of or
+        into the free list. Allocations do not change it: what they take is in their return
+        value and, for cached blocks, the reuse listener. Lets a prefix index keep a count of
+        unreferenced blocks in a match valid without re-reading every ref count."""
+        return self._ref_version
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -127,12 +138,13 @@ class BlockPool:
         return out
 
     @property
-    def reuse_listener(self) -> Callable[[int], None] | None:
+    def reuse_listener(self) -> Callable[[list[int]], None] | None:
         return self._reuse_listener
 
     # ------------------------------------------------------------------ mutations
-    def set_reuse_listener(self, listener: Callable[[int], None] | None) -> None:
-        """Called with a block id when ``allocate`` reuses a cached-free block (one listener)."""
+    def set_reuse_listener(self, listener: Callable[[list[int]], None] | None) -> None:
+        """Called with the ids of the cached-free blocks an ``allocate``/``allocate_many`` call
+        reused, in allocation order, after they left the free list (one listener)."""
         if listener is not None and self._reuse_listener is not None:
             raise ValueError("BlockPool: a reuse listener is already set (one prefix index per pool)")
         # None clears it (a profiler may then wrap the old one).
@@ -158,7 +170,7 @@ class BlockPool:
             self._cached[b] = False
             self._num_cached_free -= 1
             if self._reuse_listener is not None:
-                self._reuse_listener(b)
+                self._reuse_listener([b])
         return b
 
     def allocate_many(self, num_blocks: int) -> list[int]:
@@ -191,8 +203,7 @@ class BlockPool:
             self._num_cached_free -= len(reused)
             listener = self._reuse_listener
             if listener is not None:
-                for b in reused:
-                    listener(b)
+                listener(reused)
         return out
 
     def incref(self, block_id: int) -> None:
@@ -200,6 +211,7 @@ class BlockPool:
         revived with its KV intact)."""
         r = self._ref[block_id]
         if r == 0:
+            self._ref_version += 1
             p = self._prev[block_id]
             n = self._next[block_id]
             self._next[p] = n
@@ -225,6 +237,7 @@ class BlockPool:
             )
         self._ref[block_id] = r
         if r == 0:
+            self._ref_version += 1
             sentinel = self.num_blocks
             tail = self._prev[sentinel]
             self._next[tail] = block_id
@@ -248,6 +261,7 @@ class BlockPool:
         nxt, prev = self._next, self._prev
         sentinel = self.num_blocks
         num_freed = 0
+        self._ref_version += 1  # up front: a ValueError midway leaves earlier blocks freed
         for b in block_ids:
             r = ref[b] - 1
             s = soft[b]

@@ -156,6 +156,9 @@ class PagedKVManager(SeqTable):
         self.host_pool = BlockPool(num_host_blocks)
         self.prefix_index = prefix_index
         prefix_index.bind(self.pool, block_size)
+        # A commit only registers something when the written length reaches a multiple of
+        # this (1 for token-granular indexes): decode steps may skip the others.
+        self.commit_interval = block_size if prefix_index.registers_full_blocks_only else 1
         self._seqs: dict[int, _Seq] = {}
         # Per device block: block-table references from live sequences, and claimed slots.
         self._seq_refs = [0] * num_blocks
@@ -291,6 +294,33 @@ class PagedKVManager(SeqTable):
         if num_new_tokens > 0 and offset and self._must_copy(seq.block_ids[-1], offset, held=True):
             return None
         return self._num_blocks_needed(seq.num_tokens, seq.block_ids, num_new_tokens, held=True)
+
+    def can_decode_together(self, seq_ids: Sequence[int]) -> bool:
+        """Whether ``decode_run(seq_ids)`` may start: every sequence is resident, its next
+        slot is written in place or into a fresh block (no copy-on-write), and no two share
+        a partial last block (the second to write would copy it). Pure."""
+        bs = self.block_size
+        partial: set[int] = set()
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.host_blocks is not None:
+                return False
+            offset = seq.num_tokens % bs
+            if offset:
+                last = seq.block_ids[-1]
+                if last in partial or self._must_copy(last, offset, held=True):
+                    return False
+                partial.add(last)
+        return True
+
+    def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
+        """Start growing ``seq_ids`` by one slot per step (see ``DecodeRun``). Mutates
+        nothing yet. ValueError when ``can_decode_together`` is False."""
+        if not self.can_decode_together(seq_ids):
+            raise ValueError(
+                f"decode_run: seqs {list(seq_ids)} cannot decode together (swapped or copy-on-write)"
+            )
+        return DecodeRun(self, [self._seqs[seq_id] for seq_id in seq_ids])
 
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Register ``token_ids`` (all tokens whose KV is written for the sequence) with the
@@ -583,3 +613,65 @@ class PagedKVManager(SeqTable):
 
     def _exclusive_indexes(self, seq: _Seq) -> list[int]:
         return [i for i, b in enumerate(seq.block_ids) if self.pool.ref_count(b) == 1]
+
+
+class DecodeRun:
+    """Sequences that each grow by one KV slot per step: a simulated decode run's KV side.
+
+    Built by ``PagedKVManager.decode_run`` once its preconditions hold (no copy-on-write
+    ahead, no shared partial last block). They keep holding while only this run appends
+    to these sequences: each writes its partial block in place until it fills, then a
+    fresh block it holds alone. So a step needs one new block per sequence whose slots
+    fill a block, known from the slot counts modulo the block size without asking the
+    manager per sequence. ``advance`` leaves exactly the state of ``append(seq, 1)`` for
+    each sequence in order. Appending to these sequences any other way (or freeing,
+    forking, swapping them) while the run is in use voids it.
+    """
+
+    __slots__ = ("_kv", "_seqs", "_at_boundary", "_num_steps")
+
+    def __init__(self, kv: PagedKVManager, seqs: list[_Seq]) -> None:
+        self._kv = kv
+        self._seqs = seqs
+        bs = kv.block_size
+        # _at_boundary[r]: how many sequences need a fresh block at step k with (-k) % bs == r.
+        self._at_boundary = [0] * bs
+        for seq in seqs:
+            self._at_boundary[seq.num_tokens % bs] += 1
+        self._num_steps = 0
+
+    def num_new_blocks(self) -> int:
+        """Fresh blocks the next ``advance`` takes (it fails when more than
+        ``num_allocatable_blocks``; check first). Pure."""
+        return self._at_boundary[-self._num_steps % self._kv.block_size]
+
+    def advance(self) -> None:
+        """Reserve the next slot of every sequence, in order. Mutates the manager (claims,
+        block tables, the pool, which may evict cached blocks). Raises KVCapacityError,
+        having reserved slots for the sequences before the one that failed, when
+        ``num_new_blocks`` exceeds what is allocatable."""
+        kv = self._kv
+        bs = kv.block_size
+        claimed = kv._claimed
+        slots = 0
+        for seq in self._seqs:
+            offset = seq.num_tokens % bs
+            if offset:
+                # In place (the precondition): a sole holder overwrites stale claims.
+                last = seq.block_ids[-1]
+                slots += offset + 1 - claimed[last]
+                claimed[last] = offset + 1
+                seq.num_tokens += 1
+            else:
+                kv._num_token_slots += slots
+                slots = 0
+                if (
+                    kv._num_blocks_needed(seq.num_tokens, seq.block_ids, 1, held=True)
+                    > kv.num_allocatable_blocks
+                ):
+                    raise KVCapacityError(
+                        "decode run: no block left for the next slot (check num_new_blocks)"
+                    )
+                kv._grow(seq, 1)
+        kv._num_token_slots += slots
+        self._num_steps += 1

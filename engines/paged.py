@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvbench.engines.executor import ExecutionResult, Executor, TorchExecutor
@@ -61,6 +63,30 @@ def stand_in_token(base: int, sample_index: int, position: int, vocab_size: int)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     x ^= x >> 31
     return 3 + x % (vocab_size - 3)
+
+
+def stand_in_tokens(
+    bases: SequenceOf[int],
+    sample_indexes: SequenceOf[int],
+    first_positions: SequenceOf[int],
+    num_steps: int,
+    vocab_size: int,
+) -> np.ndarray:
+    """``stand_in_token`` for many sequences and consecutive positions at once: entry
+    ``[i, k]`` equals ``stand_in_token(bases[i], sample_indexes[i], first_positions[i] + k,
+    vocab_size)`` (uint64 arithmetic wraps mod 2**64 like the masked Python version).
+    Returns int64 [len(bases), num_steps]. Pure."""
+    u64 = np.uint64
+    x = (
+        np.asarray(bases, dtype=u64)[:, None]
+        + (np.asarray(sample_indexes, dtype=u64)[:, None] + u64(1)) * u64(_SAMPLE64)
+        + (np.asarray(first_positions, dtype=u64)[:, None] + np.arange(1, num_steps + 1, dtype=u64))
+        * u64(_GOLDEN64)
+    )
+    x = (x ^ (x >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> u64(27))) * u64(0x94D049BB133111EB)
+    x ^= x >> u64(31)
+    return (u64(3) + x % u64(vocab_size - 3)).astype(np.int64)
 
 
 def rank_beam_candidates(
@@ -380,65 +406,77 @@ class PagedEngine:
         the step needs (no preemption), the head of the waiting queue still cannot start,
         and the step starts before ``next_arrival_s``. Each step updates the scheduler, KV
         manager and prefix index exactly as a single ``step`` would (tests compare both),
-        without planning chunks or modeling each step separately. Returns None when not
-        even the first step qualifies (the caller steps normally); a step that turns out
-        to admit a waiting group is left planned in the scheduler for that normal step.
+        without planning chunks or modeling each step separately: step times come from
+        one cost-model call, stand-in tokens and the first EOS from one vectorised draw,
+        and the KV side from a ``DecodeRun``. Returns None when not even the first step
+        qualifies (the caller steps normally); a step that turns out to admit a waiting
+        group is left planned in the scheduler for that normal step.
         """
         scheduler = self.scheduler
         pairs = scheduler.decode_batch()
         if pairs is None:
             return None
-        vocab = self.ctx.spec.vocab_size
-        eos = self.ctx.spec.eos_token_id
         bases = self._stand_in_bases
         seed = self.ctx.seed
         # Steps before the first finish: the step producing a sequence's last token ends it.
         max_steps = MAX_DECODE_RUN_STEPS
-        keys = []
+        seq_bases, samples, positions, check_eos = [], [], [], []
         for group, seq in pairs:
             request = group.request
             max_steps = min(max_steps, request.max_new_tokens - seq.num_output_tokens - 1)
             base = bases.get(request.request_id)
             if base is None:
                 base = bases[request.request_id] = stable_seed(seed, request.request_id)
-            keys.append((base, seq.sample_index, not request.ignore_eos))
+            seq_bases.append(base)
+            samples.append(seq.sample_index)
+            positions.append(seq.num_output_tokens)
+            check_eos.append(not request.ignore_eos)
         if max_steps <= 0:
             return None
         executor = self.executor
         assert isinstance(executor, CostModelExecutor)
         context = sum(len(seq.token_ids) for _, seq in pairs)
-        durations = executor.cost_model.decode_run_s(len(pairs), context, max_steps).tolist()
+        durations_list = executor.cost_model.decode_run_s(len(pairs), context, max_steps).tolist()
+        # Steps that start before the next arrival (which is submitted before the next
+        # step), with start times summed one at a time like the clock does.
+        start_s = now_s
+        max_steps = 0
+        for duration_s in durations_list:
+            if start_s >= next_arrival_s:
+                break
+            start_s += duration_s
+            max_steps += 1
+        if max_steps == 0:
+            return None
+        tokens = stand_in_tokens(seq_bases, samples, positions, max_steps, self.ctx.spec.vocab_size)
+        if any(check_eos):
+            # The step in which some sequence samples EOS finishes it: a normal step.
+            eos_hits = (tokens[np.asarray(check_eos)] == self.ctx.spec.eos_token_id).any(axis=0)
+            if eos_hits.any():
+                max_steps = int(eos_hits.argmax())
         kv = self.kv
+        run = kv.decode_run([seq.seq_id for _, seq in pairs])
+        token_lists = tokens[:, :max_steps].T.tolist()  # [step][seq]
         covered: list[CoveredStep] = []
         events: list[TokenEvent] = []
-        start_s = now_s
-        for offset, duration_s in enumerate(durations):
-            if start_s >= next_arrival_s:
-                break  # the arrival is submitted before this step
-            need = scheduler.decode_step_blocks(pairs)
-            if need is None or need > kv.num_allocatable_blocks:
-                break  # a copy-on-write or a preemption: a normal step
-            tokens = [
-                stand_in_token(base, sample, seq.num_output_tokens, vocab)
-                for (base, sample, _), (_, seq) in zip(keys, pairs)
-            ]
-            if any(check_eos and token == eos for (_, _, check_eos), token in zip(keys, tokens)):
-                break  # a sequence finishes on EOS in this step
+        request_ids = [group.request_id for group, _ in pairs]
+        for offset in range(max_steps):
+            if run.num_new_blocks() > kv.num_allocatable_blocks:
+                break  # a preemption: a normal step
             counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
-            if not scheduler.append_decodes(pairs):
+            if not scheduler.append_decodes(pairs, run):
                 # A waiting group starts in this step: the scheduler keeps its plan for the
                 # next normal step, whose stats count from here.
                 self._prepared_counters = counters0
                 break
-            scheduler.complete_decodes(pairs, tokens)
-            events.extend(
-                TokenEvent(group.request_id, seq.sample_index, token, offset)
-                for (group, seq), token in zip(pairs, tokens)
-            )
+            step_tokens = token_lists[offset]
+            scheduler.complete_decodes(pairs, step_tokens)
+            events.extend(map(TokenEvent, request_ids, samples, step_tokens, [offset] * len(pairs)))
             # Each step decodes one more token per sequence than the last.
             shape = StepShape(
                 num_decode_seqs=len(pairs), num_decode_context_tokens=context + offset * len(pairs)
             )
+            duration_s = durations_list[offset]
             covered.append(
                 CoveredStep(
                     duration_s,
@@ -447,7 +485,7 @@ class PagedEngine:
             )
             executor.num_steps += 1
             executor.total_modeled_s += duration_s
-            start_s += duration_s
+        scheduler.finish_decodes(pairs)
         if not covered:
             return None
         return StepOutput(

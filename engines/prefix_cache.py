@@ -58,6 +58,13 @@ class PrefixIndex(Protocol):
     ``KeyError`` / ``ValueError`` naming the sequence.
     """
 
+    @property
+    def registers_full_blocks_only(self) -> bool:
+        """Whether ``commit`` only ever registers whole blocks, so a commit that completes no
+        new block is a no-op the caller may skip (decode steps commit 15 times in 16 for
+        nothing otherwise). False for token-granular indexes."""
+        ...
+
     def bind(self, pool: BlockPool, block_size: int) -> None:
         """Attach to the manager's pool (once). Mutates: the index, the pool's reuse listener."""
         ...
@@ -112,6 +119,8 @@ class PrefixIndex(Protocol):
 
 class NullPrefixIndex:
     """Prefix caching off: nothing matches, nothing is kept, freed blocks are plain free."""
+
+    registers_full_blocks_only = True  # registers nothing at all
 
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
@@ -168,13 +177,25 @@ class BlockKeyChain:
     block size and one extra key: full blocks never change as the sequence grows, so keys
     are only ever appended. ``extend`` is O(new blocks x block_size).
 
-    It also memoises the last match of the chain against one index (``match_owner``,
-    ``match_blocks``, ``match_epochs``): a waiting sequence is matched every step it stays
-    blocked, and re-walking a 1,000-block prefix in Python each time dominated long-prompt
-    traces. The index revalidates the memo itself (``BlockHashPrefixIndex.match``).
+    It also memoises the last match of the chain against one index (the ``match_*``
+    slots): a waiting sequence is matched every step it stays blocked, and re-walking a
+    1,000-block prefix in Python each time dominated long-prompt traces. The index
+    revalidates the memo itself (``BlockHashPrefixIndex.match``).
     """
 
-    __slots__ = ("block_size", "extra_key", "keys", "hashes", "match_owner", "match_blocks", "match_epochs")
+    __slots__ = (
+        "block_size",
+        "extra_key",
+        "keys",
+        "hashes",
+        "match_owner",
+        "match_blocks",
+        "match_epochs",
+        "match_block_set",
+        "match_num_taken",
+        "match_ref_version",
+        "match_num_drops",
+    )
 
     def __init__(self, block_size: int, extra_key: str | None) -> None:
         self.block_size = block_size
@@ -184,6 +205,10 @@ class BlockKeyChain:
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
         self.match_epochs: tuple[int, ...] = ()  # each block's registration epoch then
+        self.match_block_set: frozenset[int] | None = None  # match_blocks as a set (lazy)
+        self.match_num_taken = 0  # unreferenced blocks among match_blocks then
+        self.match_ref_version = -1  # the pool's ref_version then
+        self.match_num_drops = 0  # the index's cumulative dropped registrations then
 
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
         """Compute keys up to block ``num_blocks - 1`` (no-op when already there). Mutates the
@@ -302,6 +327,8 @@ class BlockHashPrefixIndex:
     happens on the next request, which attaches the registered one).
     """
 
+    registers_full_blocks_only = True
+
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
         self._block_size = 0
@@ -312,6 +339,11 @@ class BlockHashPrefixIndex:
         # Per block: how many times its registration was dropped (match memo validity).
         self._epoch: list[int] = []
         self._block_hash: list[int] = []
+        # Recently dropped blocks, for match memos: drop number _drop_log_start + i dropped
+        # _drop_log[i]. Cleared when long (memos older than it compare epochs instead).
+        self._num_drops = 0
+        self._drop_log: list[int] = []
+        self._drop_log_start = 0
 
     # ------------------------------------------------------------------ protocol
     def bind(self, pool: BlockPool, block_size: int) -> None:
@@ -323,44 +355,71 @@ class BlockHashPrefixIndex:
         self._block_size = block_size
         self._epoch = [0] * pool.num_blocks
         self._block_hash = [0] * pool.num_blocks  # hash(_block_key[b]) while b is registered
-        pool.set_reuse_listener(self._on_block_reused)
+        pool.set_reuse_listener(self._on_blocks_reused)
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
         """See ``PrefixIndex.match``. Pure as far as the cache goes; it memoises the walk on
-        the sequence's key chain. A memoised block whose registration epoch is unchanged
-        is still registered under the same key (registrations are only dropped when the
-        pool reuses the block, which bumps its epoch), so only the walk past the memo and
-        an O(blocks) C-level epoch comparison remain: O(new blocks) Python work."""
+        the sequence's key chain and revalidates the memo cheaply:
+
+        - memoised blocks stay registered under the same keys unless one was dropped
+          (registrations are only dropped when the pool reuses a block). Drops since the
+          memo are read from a short log (O(drops), usually none); when the log no longer
+          reaches back that far, each block's registration epoch is compared (O(blocks),
+          C-level).
+        - the count of unreferenced matched blocks stays valid while the pool's
+          ``ref_version`` is unchanged and no matched block was dropped.
+        - only the walk past the memo is Python work: O(new blocks).
+        """
         pool = self._bound_pool()
         bs = self._block_size
         num_full = max(len(token_ids) - 1, 0) // bs
         chain = self._chain(token_ids, extra_key)
-        keys, hashes = chain.keys, chain.hashes
         epoch = self._epoch
         blocks: tuple[int, ...] = ()
         epochs: tuple[int, ...] = ()
+        num_taken: int | None = 0
         if chain.match_owner is self:
             blocks, epochs = chain.match_blocks, chain.match_epochs
+            num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else None
             if len(blocks) > num_full:
-                blocks, epochs = blocks[:num_full], epochs[:num_full]
-            now = gather(epoch, blocks)
-            if now != epochs:
-                valid = next(i for i, (a, b) in enumerate(zip(now, epochs)) if a != b)
-                blocks, epochs = blocks[:valid], epochs[:valid]
+                blocks, epochs, num_taken = blocks[:num_full], epochs[:num_full], None
+            if blocks and self._num_drops != chain.match_num_drops:
+                first_logged = chain.match_num_drops - self._drop_log_start
+                if first_logged < 0:
+                    maybe_dropped = True  # the log no longer reaches back: compare epochs
+                else:
+                    if chain.match_block_set is None:
+                        chain.match_block_set = frozenset(blocks)
+                    maybe_dropped = not chain.match_block_set.isdisjoint(self._drop_log[first_logged:])
+                if maybe_dropped:
+                    now = gather(epoch, blocks)
+                    if now != epochs:
+                        valid = next(i for i, (a, b) in enumerate(zip(now, epochs)) if a != b)
+                        blocks, epochs, num_taken = blocks[:valid], epochs[:valid], None
         lookup, block_key = self._hash_to_block, self._block_key
         found: list[int] = []
-        for i in range(len(blocks), num_full):
-            if i == len(keys):
-                chain.extend(token_ids, i + 1)  # lazily: a miss ends the walk
-            block = lookup.get(hashes[i])
-            if block is None or block_key[block] != keys[i]:
-                break
-            found.append(block)
+        if len(blocks) < num_full:
+            if len(chain.keys) < num_full:
+                chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
+            keys, hashes = chain.keys, chain.hashes
+            for i in range(len(blocks), num_full):
+                block = lookup.get(hashes[i])
+                if block is None or block_key[block] != keys[i]:
+                    break
+                found.append(block)
         if found:
+            if num_taken is not None:
+                num_taken += pool.num_unreferenced(found)
             blocks = blocks + tuple(found)
             epochs = epochs + tuple(epoch[b] for b in found)
-        chain.match_owner, chain.match_blocks, chain.match_epochs = self, blocks, epochs
-        num_taken = pool.num_unreferenced(blocks)  # cached-free blocks revived from the free list
+        if num_taken is None:
+            num_taken = pool.num_unreferenced(blocks)  # cached-free blocks revived from the free list
+        if found or chain.match_owner is not self or blocks is not chain.match_blocks:
+            chain.match_owner, chain.match_blocks, chain.match_epochs = self, blocks, epochs
+            chain.match_block_set = None
+        chain.match_num_taken = num_taken
+        chain.match_ref_version = pool.ref_version
+        chain.match_num_drops = self._num_drops
         if not blocks:
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
             return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyedTokenIds) else NO_MATCH
@@ -450,13 +509,27 @@ class BlockHashPrefixIndex:
         """Blocks registered in the hash map (in use or cached-free)."""
         return len(self._hash_to_block)
 
-    def _on_block_reused(self, block_id: int) -> None:
-        # The pool is about to overwrite a cached-free block: forget it (lazy eviction).
-        del self._block_key[block_id]
-        # The stored hash: rehashing the key's token tuple costs as much as the first hash.
-        del self._hash_to_block[self._block_hash[block_id]]
-        self._epoch[block_id] += 1
-        self._num_evicted_blocks += 1
+    def _on_blocks_reused(self, block_ids: list[int]) -> None:
+        # The pool is about to overwrite these cached-free blocks: forget them (lazy
+        # eviction). The stored hash: rehashing a key's token tuple costs as much as the
+        # first hash.
+        block_key, lookup, block_hash, epoch = (
+            self._block_key,
+            self._hash_to_block,
+            self._block_hash,
+            self._epoch,
+        )
+        for b in block_ids:
+            del block_key[b]
+            del lookup[block_hash[b]]
+            epoch[b] += 1
+        self._num_evicted_blocks += len(block_ids)
+        self._num_drops += len(block_ids)
+        log = self._drop_log
+        if len(log) > 4096:
+            self._drop_log_start += len(log)
+            log.clear()
+        log.extend(block_ids)
 
     def _chain(self, token_ids: Sequence[int], extra_key: str | None) -> BlockKeyChain:
         """The key chain ``token_ids`` carries (KeyedTokenIds), else a throwaway one."""

@@ -93,6 +93,8 @@ class RadixPrefixIndex:
     sequence extends its own leaf, else O(new tokens + depth); ``evict`` O(log heap) per node.
     """
 
+    registers_full_blocks_only = False  # token granular: every commit extends the tree
+
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
         self._block_size = 0

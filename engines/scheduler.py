@@ -47,7 +47,7 @@ from kvbench.sim.cost_model import StepShape
 from kvbench.types import FinishedRequest, RejectedRequest, Request
 
 if TYPE_CHECKING:
-    from kvbench.engines.kv_manager import KVOps, PagedKVManager
+    from kvbench.engines.kv_manager import DecodeRun, KVOps, PagedKVManager
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -341,10 +341,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode runs (simulation)
     # A decode run takes consecutive plain decode steps without planning chunks: the
-    # engine asks for the batch (``decode_batch``), and per step checks the pool
-    # (``decode_step_blocks``), reserves the slots (``append_decodes``) and, after
-    # choosing tokens, completes it (``complete_decodes``). Each step leaves exactly the
-    # state ``schedule`` + ``complete_step`` + ``append_token`` would have.
+    # engine asks for the batch (``decode_batch``) and the KV manager's ``DecodeRun`` for
+    # it; per step it checks the pool (``DecodeRun.num_new_blocks``), reserves the slots
+    # (``append_decodes``) and, after choosing tokens, completes it (``complete_decodes``);
+    # ``finish_decodes`` ends the run. Each step leaves exactly the state ``schedule`` +
+    # ``complete_step`` + ``append_token`` would have.
 
     def decode_batch(self) -> list[tuple[SequenceGroup, Sequence]] | None:
         """The (group, sequence) pairs of the next step, in chunk order, when that step can
@@ -352,8 +353,9 @@ class Scheduler:
 
         None when rejections are pending, a group is swapped, a beam group runs (beams
         are ranked jointly), a prompt is not fully computed, a sample group has not
-        forked yet, or the batch exceeds the token budget. Whether a waiting group would
-        be admitted is checked per step by ``append_decodes``.
+        forked yet, the batch exceeds the token budget, or a sequence's next slot needs a
+        copy-on-write (``PagedKVManager.can_decode_together``). Whether a waiting group
+        would be admitted is checked per step by ``append_decodes``.
         """
         if self._pending_rejections or self.swapped or not self.running or self._prepared is not None:
             return None
@@ -374,32 +376,21 @@ class Scheduler:
                 pairs.append((group, seq))
         if len(pairs) > self.config.max_num_batched_tokens:
             return None
+        if not self.kv.can_decode_together([seq.seq_id for _, seq in pairs]):
+            return None
         return pairs
 
-    def decode_step_blocks(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> int | None:
-        """New KV blocks one decode token for each of ``pairs`` takes, or None when some
-        sequence would copy a shared block first (copy-on-write). Pure."""
-        kv = self.kv
-        total = 0
-        for _, seq in pairs:
-            need = kv.num_append_blocks(seq.seq_id, 1)
-            if need is None:
-                return None
-            total += need
-        return total
+    def append_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun) -> bool:
+        """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``)
+        through ``run`` (the KV manager's run over the same sequences, in order).
 
-    def append_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> bool:
-        """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``).
-
-        Call only when ``decode_step_blocks(pairs)`` is not None and at most
-        ``kv.num_allocatable_blocks``. Returns True when the step is a plain decode step
-        (no waiting group could start in it); otherwise plans the rest of the step as
-        ``schedule`` would, keeps that plan for the next ``schedule`` call and returns
-        False. Mutates the KV manager (appends) and, on False, whatever admission does.
+        Call only when ``run.num_new_blocks()`` is at most ``kv.num_allocatable_blocks``.
+        Returns True when the step is a plain decode step (no waiting group could start in
+        it); otherwise plans the rest of the step as ``schedule`` would, keeps that plan for
+        the next ``schedule`` call and returns False. Mutates the KV manager (appends) and,
+        on False, whatever admission does.
         """
-        kv = self.kv
-        for _, seq in pairs:
-            kv.append(seq.seq_id, 1)
+        run.advance()
         budget = self.config.max_num_batched_tokens - len(pairs)
         if not self._head_may_start(budget):
             return True
@@ -409,29 +400,28 @@ class Scheduler:
         self._prepared = self._finish_plan()
         return False
 
-    def complete_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], token_ids: list[int]) -> None:
-        """Finish a plain decode step: what ``_finalize_pieces`` (peaks), ``complete_step``
-        and ``append_token`` do for these decode chunks; ``token_ids[i]`` is the token
-        sampled for ``pairs[i]``. The caller guarantees no sequence finishes with it.
-        Mutates the sequences, peak counters and the prefix index (commit)."""
+    def complete_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], token_ids: Sequence[int]) -> None:
+        """Finish a plain decode step: what ``complete_step`` and ``append_token`` do for
+        these decode chunks; ``token_ids[i]`` is the token sampled for ``pairs[i]``. The
+        caller guarantees no sequence finishes with it. Peaks wait for ``finish_decodes``.
+        Mutates the sequences and the prefix index (commit)."""
         kv = self.kv
-        multi: dict[int, SequenceGroup] = {}
-        for group, seq in pairs:  # peaks first, from the slots reserved (before commits)
-            if len(group.seqs) == 1:
-                end = len(seq.token_ids)
-                if end > group.peak_kv_slots:
-                    group.peak_kv_slots = end
-                if end > group.peak_kv_slots_unshared:
-                    group.peak_kv_slots_unshared = end
-            else:
-                multi[id(group)] = group
-        for group in multi.values():
-            self._update_peaks(group)
+        interval = kv.commit_interval
         for (_, seq), token in zip(pairs, token_ids):
             tokens = seq.token_ids
-            seq.num_computed_tokens = len(tokens)
-            kv.commit(seq.seq_id, tokens)
+            computed = len(tokens)
+            seq.num_computed_tokens = computed
+            if computed % interval == 0:  # otherwise the commit would register nothing
+                kv.commit(seq.seq_id, tokens)
             tokens.append(token)
+
+    def finish_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> None:
+        """End a decode run: the peak KV slots of its groups, which only grew during it (no
+        slot is freed in a run), so one update at the end equals one per step. Mutates
+        the groups' peak counters."""
+        groups = {id(group): group for group, _ in pairs}
+        for group in groups.values():
+            self._update_peaks(group)
 
     def _head_may_start(self, budget: int) -> bool:
         """Whether ``_admit_waiting`` with ``budget`` tokens left could admit the head (or

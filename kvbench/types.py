@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -152,12 +152,13 @@ class StepStats:
     measured_transfer_s: float = float("nan")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
     """A token produced this step for sample ``sample_index`` of ``request_id``.
 
     ``step_offset`` places it in a multi-step output: the token was produced by covered
     step ``step_offset`` (0 for single-step outputs; see ``StepOutput.covered_steps``).
+    A NamedTuple (immutable like a frozen dataclass, ~3x cheaper to build): simulation
+    emits one per generated token, millions for a recorded trace.
     """
 
     request_id: str

@@ -45,7 +45,7 @@ def test_incref_revives_a_block_from_the_middle_of_the_free_list():
 def test_reusing_a_cached_block_clears_it_and_calls_the_listener():
     pool = BlockPool(2)
     reused = []
-    pool.set_reuse_listener(reused.append)
+    pool.set_reuse_listener(reused.extend)
     a, b = pool.allocate_many(2)
     pool.set_cached(a, True)
     pool.free_many([a, b])
@@ -115,7 +115,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = BlockPool(self.NUM_BLOCKS)
         self.reused: list[int] = []
-        self.pool.set_reuse_listener(self.reused.append)
+        self.pool.set_reuse_listener(self.reused.extend)
         self.hard = [0] * self.NUM_BLOCKS
         self.soft = [0] * self.NUM_BLOCKS
         self.cached = [False] * self.NUM_BLOCKS

@@ -406,3 +406,61 @@ def test_random_operations_keep_invariants_and_contents(index_name):
     machine = type(f"ManagerMachine_{index_name}", (ManagerMachine,), {"index_cls": INDEXES[index_name]})
     machine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
     machine.TestCase("runTest").runTest()
+
+
+def _decode_state(m: PagedKVManager, seq_ids) -> tuple:
+    return (
+        [m.block_table(s) for s in seq_ids],
+        [m.num_tokens(s) for s in seq_ids],
+        m.usage(),
+        m.pool.free_blocks(),
+        m.num_evicted_blocks,
+    )
+
+
+@pytest.mark.parametrize("index_name", ["hash", "radix", "none"])
+def test_decode_run_equals_appending_one_slot_per_sequence_in_order(index_name):
+    """A DecodeRun step leaves the state of append(seq, 1) for each sequence in order:
+    block ids, claims, the free list and prefix-cache evictions included."""
+    indexes = {"hash": BlockHashPrefixIndex, "radix": RadixPrefixIndex, "none": NullPrefixIndex}
+
+    def setup() -> PagedKVManager:
+        m = make(indexes[index_name](), num_blocks=14)
+        prefill(m, 9, SYSTEM + [1, 2, 3])  # cached blocks to evict later
+        m.free(9)
+        for seq, length in ((0, 5), (1, 8), (2, 3)):
+            prefill(m, seq, [50 + seq] * length)
+        return m
+
+    ids = [0, 1, 2]
+    stepped, fast = setup(), setup()
+    assert fast.can_decode_together(ids)
+    run = fast.decode_run(ids)
+    for _ in range(40):
+        need = sum(stepped.num_append_blocks(s, 1) for s in ids)
+        assert run.num_new_blocks() == need
+        if need > stepped.num_allocatable_blocks:
+            with pytest.raises(KVCapacityError):
+                run.advance()
+            break
+        for s in ids:
+            stepped.append(s, 1)
+        run.advance()
+        fast.check()
+        assert _decode_state(fast, ids) == _decode_state(stepped, ids)
+    else:
+        pytest.fail("the pool never ran short")
+
+
+def test_decode_run_refuses_siblings_sharing_a_partial_block():
+    m = make()
+    prefill(m, 0, [1, 2, 3, 4, 5, 6])  # a partial second block
+    m.fork(0, 1)
+    # The first sibling to write would claim slot 6; the second must then copy first.
+    assert not m.can_decode_together([0, 1])
+    with pytest.raises(ValueError, match="cannot decode together"):
+        m.decode_run([0, 1])
+    m.append(0, 1)
+    m.append(1, 1)  # copy-on-write: the siblings now own their partial blocks
+    assert m.can_decode_together([0, 1])
+    assert not m.can_decode_together([0, 7])  # unknown sequence

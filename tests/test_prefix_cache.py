@@ -159,15 +159,21 @@ def test_hit_counts_equal_the_longest_cached_prefix(committed, query):
 def test_keyed_token_ids_hash_each_block_once_and_forks_keep_the_keys(monkeypatch):
     m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex())
     tokens = KeyedTokenIds(range(10, 23))  # 13 tokens: 3 full blocks
-    calls = []
+    hashed = []  # blocks each extend call hashed
     extend = BlockKeyChain.extend
-    monkeypatch.setattr(BlockKeyChain, "extend", lambda self, t, n: calls.append(n) or extend(self, t, n))
-    for _ in range(3):  # a waiting sequence re-matched every step: keys computed lazily, once
+
+    def counting_extend(self, t, n):
+        before = len(self.keys)
+        extend(self, t, n)
+        hashed.append(len(self.keys) - before)
+
+    monkeypatch.setattr(BlockKeyChain, "extend", counting_extend)
+    for _ in range(3):  # a waiting sequence re-matched every step: keys computed once
         assert m.num_cached_tokens(tokens, None) == 0
-    assert calls == [1]  # block 0 hashed once; the first miss ends the walk
+    assert sum(hashed) == 3  # the three full blocks, hashed by the first match only
     m.allocate(0, tokens, 13, None)
     m.commit(0, tokens)
-    assert calls == [1, 3]  # commit continues the same chain: blocks 1 and 2, once each
+    assert sum(hashed) == 3  # commit continues the same chain: nothing rehashed
     assert len(tokens.key_chain.keys) == 3 and m.prefix_index.num_cached_blocks == 3
     chain = tokens.key_chain
     child = tokens.copy()

@@ -198,3 +198,14 @@ def test_property_fast_forward_equals_stepping(
         max_num_seqs=max(max_num_seqs, n),
         max_num_batched_tokens=max_num_batched_tokens,
     )
+
+
+def test_vectorised_stand_in_tokens_equal_the_scalar_draw():
+    from kvbench.engines.paged import stand_in_token, stand_in_tokens
+
+    bases = [0, 1, (1 << 63) - 1, 123456789012345]
+    samples = [0, 3, 1, 7]
+    firsts = [0, 5, 1000, (1 << 40)]
+    got = stand_in_tokens(bases, samples, firsts, 6, 128256)
+    want = [[stand_in_token(b, s, p + k, 128256) for k in range(6)] for b, s, p in zip(bases, samples, firsts)]
+    assert got.tolist() == want
