@@ -207,5 +207,7 @@ def test_vectorised_stand_in_tokens_equal_the_scalar_draw():
     samples = [0, 3, 1, 7]
     firsts = [0, 5, 1000, (1 << 40)]
     got = stand_in_tokens(bases, samples, firsts, 6, 128256)
-    want = [[stand_in_token(b, s, p + k, 128256) for k in range(6)] for b, s, p in zip(bases, samples, firsts)]
+    want = [
+        [stand_in_token(b, s, p + k, 128256) for k in range(6)] for b, s, p in zip(bases, samples, firsts)
+    ]
     assert got.tolist() == want
