@@ -194,17 +194,21 @@ class _HashBlockIds:
 
     def prompt(self, hash_ids: list[int], lengths: np.ndarray) -> np.ndarray:
         """The prompt of these blocks: a new read-only int32 array. Mutates the cache."""
-        parts = []
-        for hash_id, length in zip(hash_ids, lengths.tolist()):
-            ids = self._ids.get((hash_id, length))
-            if ids is None:
-                # ids: [length] int32 (vocabularies are far below 2**31)
-                ids = keyed_token_ids(
-                    self._seed, np.full(length, hash_id, dtype=np.int64), np.arange(length), self._vocab_size
-                ).astype(np.int32)
-                self._ids[(hash_id, length)] = ids
-            parts.append(ids)
-        prompt = np.concatenate(parts)  # [num_tokens] int32
+        blocks = list(zip(hash_ids, lengths.tolist()))
+        cache = self._ids
+        missing = list(dict.fromkeys(block for block in blocks if block not in cache))
+        if missing:
+            # All new blocks of the prompt in one vectorised call (one call per block cost
+            # ~45 us of numpy overhead each, 8 s for the Mooncake conversation trace).
+            new_lengths = np.array([length for _, length in missing], dtype=np.int64)  # [m]
+            ends = np.cumsum(new_lengths)  # [m]
+            keys = np.repeat(np.array([h for h, _ in missing], dtype=np.int64), new_lengths)  # [total]
+            offsets = np.arange(int(ends[-1])) - np.repeat(ends - new_lengths, new_lengths)  # [total]
+            # ids: [total] int32 (vocabularies are far below 2**31)
+            ids = keyed_token_ids(self._seed, keys, offsets, self._vocab_size).astype(np.int32)
+            for block, part in zip(missing, np.split(ids, ends[:-1])):
+                cache[block] = part
+        prompt = np.concatenate([cache[block] for block in blocks])  # [num_tokens] int32
         prompt.flags.writeable = False
         return prompt
 
