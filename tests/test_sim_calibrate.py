@@ -91,6 +91,22 @@ def test_fit_recovers_every_coefficient_from_exact_steps():
     assert result.notes == ()
 
 
+def test_fit_is_unbiased_under_multiplicative_step_time_noise():
+    # Step times jittered by ±25 % (log-normal, mean 1) like a shared CPU. Weighting each
+    # residual by 1 / measured time would favour the steps that ran fast and fit ~10 %
+    # low (about 2 * sigma**2); reweighting by the modeled time keeps the total right.
+    steps = synthetic_steps(TRUTH, 3, num_steps=2000)
+    rng = np.random.default_rng(4)
+    sigma = 0.25
+    noise = rng.lognormal(-(sigma**2) / 2, sigma, len(steps))
+    noisy = steps.assign(duration_s=steps["duration_s"] * noise)
+    result = fit([calibration_run(noisy)], HardwareSpec(), "fitted")
+    fitted = CostModel.for_dtypes(SPEC, result.hardware, "fp32", "fp32")
+    shapes = [shape_from_step(row, fitted.kv_bytes_per_token) for row in steps.to_dict("records")]
+    predicted_s = sum(fitted.duration_s(shape) for shape in shapes)
+    assert predicted_s / steps["duration_s"].sum() == pytest.approx(1.0, abs=0.02)
+
+
 def test_fit_keeps_base_compute_term_when_no_step_is_compute_bound():
     steps = synthetic_steps(TRUTH, 1, prefill_share=0.0)  # decode only: memory-bound
     base = HardwareSpec(mfu=0.42)

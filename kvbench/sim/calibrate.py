@@ -12,9 +12,19 @@ makes the fit piecewise linear: given which steps are memory-bound, the rest is 
 non-negative least-squares problem in which each step keeps only its dominant roofline
 column. Every split the model can produce is a threshold on memory_bytes / flops, so the
 fit tries the base profile's threshold and 33 quantiles of that ratio, keeps the best,
-and then alternates (relabel with the fitted ``a, b``; refit) while the error falls. Residuals are relative (each row divided by its measured time) so that short
-decode steps weigh as much as long prefills. PCIe bandwidth is a published figure and is
-not fitted: modeled transfer time is subtracted first.
+and then alternates (relabel with the fitted ``a, b``; refit) while the error falls.
+
+Residuals are relative so that short decode steps weigh as much as long prefills, but
+relative to the *modeled* time, not the measured one: dividing by a noisy measurement
+gives the steps that happened to run fast the most weight and biases the fitted times
+low (by about twice the squared coefficient of variation of the step times: ~-5 % at
+the ±15 % jitter of a shared 2-core CPU, the sign of the TPOT errors seen before). The
+first fit divides by the measured time; then each step is reweighted by 1 / its modeled
+time and the fit repeated until the coefficients settle (``REWEIGHT_ITERATIONS`` at
+most): iteratively reweighted least squares, whose weighted residuals have mean zero
+under multiplicative noise. On exact steps both weightings give the same coefficients.
+PCIe bandwidth is a published figure and is not fitted: modeled transfer time is
+subtracted first.
 
 A roofline term that no step is bound by (or that fits to 0) cannot be identified; it
 keeps the base profile's coefficient and the fit says so in ``notes``. When the fit
@@ -50,6 +60,8 @@ from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 # Steps shorter than this are clock noise (a perf_counter read is ~100 ns) and would
 # dominate a relative-error fit.
 MIN_DURATION_S = 1e-6
+# Rounds of reweighting by the modeled time after the first fit (it converges in a few).
+REWEIGHT_ITERATIONS = 10
 
 
 class CalibrationError(ValueError):
@@ -179,22 +191,18 @@ def fit(
             )
     if not rows:
         raise CalibrationError("no usable steps to fit (every step had zero or unknown duration)")
-    problem = _Problem(np.array(rows, dtype=np.float64), base)
-    # A step is memory-bound iff memory/flops >= s_per_flop/s_per_byte: every labelling
-    # the fit can reach is a threshold on that ratio. Start from the base profile's
-    # threshold and from quantiles of the ratio, keep the best, then alternate.
-    ratio = problem.memory / np.maximum(problem.flops, 1e-300)
-    thresholds = {problem.base_s_per_flop / problem.base_s_per_byte, np.inf, 0.0}
-    thresholds.update(np.quantile(ratio[problem.has_tokens], np.linspace(0.0, 1.0, 33)).tolist())
-    best = min((problem.solve(ratio >= t) for t in sorted(thresholds)), key=lambda s: s.residual)
-    for _ in range(max_iterations):
-        labels = problem.labels(best.s_per_byte, best.s_per_flop)
-        if np.array_equal(labels, best.memory_bound):
-            break
-        candidate = problem.solve(labels)
-        if candidate.residual >= best.residual:
-            break
+    problem = _Problem(np.array(rows, dtype=np.float64), base, weight=None)
+    best = problem.search(max_iterations)
+    # Reweight by the modeled time (see module docstring) until the coefficients settle.
+    for _ in range(REWEIGHT_ITERATIONS):
+        problem = problem.reweighted(best)
+        candidate = problem.search(max_iterations)
+        settled = np.array_equal(candidate.memory_bound, best.memory_bound) and np.allclose(
+            candidate.coefficients(), best.coefficients(), rtol=1e-6, atol=0.0
+        )
         best = candidate
+        if settled:
+            break
     hardware, raised = _to_hardware(base, name, best.s_per_byte, best.s_per_flop, best.overheads)
     # Report what the simulator will do: it labels each step by the max of the two terms.
     final = dataclasses.replace(best, memory_bound=problem.labels(best.s_per_byte, best.s_per_flop))
@@ -216,19 +224,53 @@ class _Solution:
     s_per_byte: float
     s_per_flop: float
     overheads: np.ndarray  # step, per token, per seq (seconds)
-    residual: float  # sum of squared relative errors
+    residual: float  # sum of squared weighted errors (the problem's weights)
     notes: tuple[str, ...]
+
+    def coefficients(self) -> np.ndarray:
+        """s_per_byte, s_per_flop and the three overheads, as one vector."""
+        return np.array([self.s_per_byte, self.s_per_flop, *self.overheads])
 
 
 class _Problem:
-    """The fit's data: per step memory bytes, FLOPs, tokens, sequences and target seconds."""
+    """The fit's data: per step memory bytes, FLOPs, tokens, sequences and target seconds,
+    and the weight of each step's residual (1 / measured seconds unless given)."""
 
-    def __init__(self, data: np.ndarray, base: HardwareSpec) -> None:
+    def __init__(self, data: np.ndarray, base: HardwareSpec, weight: np.ndarray | None) -> None:
+        self.data = data
+        self.base = base
         self.memory, self.flops, self.tokens, self.seqs, self.target = data.T
         self.has_tokens = self.tokens > 0
-        self.weight = 1.0 / self.target  # relative residuals
+        self.weight = 1.0 / self.target if weight is None else weight
         self.base_s_per_byte = 1.0 / (base.hbm_bandwidth_gbps * 1e9 * base.memory_efficiency)
         self.base_s_per_flop = 1.0 / (base.bf16_tflops * 1e12 * base.mfu)
+
+    def reweighted(self, s: _Solution) -> _Problem:
+        """The same steps weighted by 1 / the seconds ``s`` models for them (floored at
+        MIN_DURATION_S so a step modeled at ~0 s cannot take all the weight)."""
+        return _Problem(self.data, self.base, 1.0 / np.maximum(self.predict(s), MIN_DURATION_S))
+
+    def search(self, max_iterations: int) -> _Solution:
+        """Best labelling and its solution: thresholds, then relabel-and-refit.
+
+        A step is memory-bound iff memory/flops >= s_per_flop/s_per_byte, so every
+        labelling the fit can reach is a threshold on that ratio. Start from the base
+        profile's threshold and from quantiles of the ratio, keep the best, then
+        alternate (relabel with the fitted coefficients; refit) while the error falls.
+        """
+        ratio = self.memory / np.maximum(self.flops, 1e-300)
+        thresholds = {self.base_s_per_flop / self.base_s_per_byte, np.inf, 0.0}
+        thresholds.update(np.quantile(ratio[self.has_tokens], np.linspace(0.0, 1.0, 33)).tolist())
+        best = min((self.solve(ratio >= t) for t in sorted(thresholds)), key=lambda s: s.residual)
+        for _ in range(max_iterations):
+            labels = self.labels(best.s_per_byte, best.s_per_flop)
+            if np.array_equal(labels, best.memory_bound):
+                break
+            candidate = self.solve(labels)
+            if candidate.residual >= best.residual:
+                break
+            best = candidate
+        return best
 
     def labels(self, s_per_byte: float, s_per_flop: float) -> np.ndarray:
         return (self.memory * s_per_byte >= self.flops * s_per_flop) & self.has_tokens

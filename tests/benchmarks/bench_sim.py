@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -120,7 +121,12 @@ def test_sim_mooncake_conversation_llama3_70b(benchmark):
 
 @pytest.mark.slow
 def test_sim_fidelity_after_cpu_calibration(benchmark):
-    """Calibrate on the real CPU paged engine (tiny-gqa), predict two unseen workloads."""
+    """Calibrate on the real CPU paged engine (tiny-gqa), predict two unseen workloads.
+
+    ``*_error``: predicted / measured - 1 of the mean over requests, measured as the mean
+    of ROUNDS interleaved real runs; ``*_round_cv``: the spread of those real runs.
+    """
+    ROUNDS = 3  # noqa: N806 (a constant of this benchmark)
     torch.set_num_threads(1)
     spec, base = ModelSpec(), HardwareSpec()
     model = LlamaModel.random(spec, 0)
@@ -147,19 +153,37 @@ def test_sim_fidelity_after_cpu_calibration(benchmark):
         return replay(PagedEngine(ctx, executor=executor, **params), w, SimClock())
 
     def experiment() -> dict[str, float]:
-        train = [workload(1, 24, 256, 48, 20.0), workload(2, 24, 64, 64, 40.0), workload(3, 16, 200, 32, 4.0)]
+        # Real runs in ROUNDS interleaved rounds, each round's order rotated: on a shared
+        # machine the speed drifts by ±10-20 % over seconds, and one run per workload
+        # left a workload's error up to the drift during its own few seconds (single
+        # runs measured -24 % to +45 % TPOT error on the same code). Calibration sees every
+        # round's training runs; predictions are compared with the mean over rounds.
+        train = {
+            "t0": workload(1, 24, 256, 48, 20.0),
+            "t1": workload(2, 24, 64, 64, 40.0),
+            "t2": workload(3, 16, 200, 32, 4.0),
+        }
+        unseen = {"a": workload(4, 24, 160, 48, 10.0), "b": workload(5, 32, 96, 32, 30.0)}
+        names = [*train, *unseen]
+        measured: dict[str, list] = {name: [] for name in names}
+        for r in range(ROUNDS):
+            for name in names[r:] + names[:r]:
+                measured[name].append(real({**train, **unseen}[name]))
         runs = [
             CalibrationRun(
-                str(i), real(w).steps, spec, kv_bytes_per_token(spec, "fp32"), weight_bytes(spec, "fp32")
+                f"{name}-{i}", raw.steps, spec, kv_bytes_per_token(spec, "fp32"), weight_bytes(spec, "fp32")
             )
-            for i, w in enumerate(train)
+            for name in train
+            for i, raw in enumerate(measured[name])
         ]
         result = fit(runs, base, "cpu-calibrated")
         errors = {"fit_mean_abs_rel_error": result.mean_abs_rel_error}
-        for label, w in (("a", workload(4, 24, 160, 48, 10.0)), ("b", workload(5, 32, 96, 32, 30.0))):
-            measured, predicted = per_request(real(w).requests), per_request(sim(w, result.hardware).requests)
+        for label, w in unseen.items():
+            predicted = per_request(sim(w, result.hardware).requests)
             for metric in ("ttft_ms", "tpot_ms"):
-                errors[f"{label}_{metric}_error"] = predicted[metric].mean() / measured[metric].mean() - 1.0
+                per_round = np.array([per_request(raw.requests)[metric].mean() for raw in measured[label]])
+                errors[f"{label}_{metric}_error"] = predicted[metric].mean() / per_round.mean() - 1.0
+                errors[f"{label}_{metric}_round_cv"] = per_round.std() / per_round.mean()
         return errors
 
     errors = benchmark.pedantic(experiment, rounds=1, iterations=1)
