@@ -223,6 +223,26 @@ class BlockPool:
             self._num_reclaimable -= 1  # a hard reference pins it
         self._ref[block_id] = r + 1
 
+    def incref_many(self, block_ids: Iterable[int]) -> None:
+        """``incref`` each block in order (a prefix hit attaches hundreds of blocks at once),
+        inlined. Same effect as the loop, including the free-list removals."""
+        ref, soft, cached = self._ref, self._soft, self._cached
+        nxt, prev = self._next, self._prev
+        self._ref_version += 1
+        for b in block_ids:
+            r = ref[b]
+            if r == 0:
+                p = prev[b]
+                n = nxt[b]
+                nxt[p] = n
+                prev[n] = p
+                self._num_free -= 1
+                if cached[b]:
+                    self._num_cached_free -= 1
+            elif r == soft[b]:
+                self._num_reclaimable -= 1  # a hard reference pins it
+            ref[b] = r + 1
+
     def decref(self, block_id: int) -> bool:
         """Drop one hard reference; returns True when the block became free.
 

@@ -225,9 +225,9 @@ class PagedKVManager(SeqTable):
                 f"{self.num_allocatable_blocks - match.num_blocks_taken} allocatable"
             )
         self.prefix_index.acquire(seq_id, match)
-        for b in match.block_ids:
-            self.pool.incref(b)  # revives cached-free blocks before any allocation can evict them
-            self._add_seq_ref(b)
+        # References first: revives cached-free blocks before any allocation can evict them.
+        self.pool.incref_many(match.block_ids)
+        self._add_seq_refs(match.block_ids)
         seq = _Seq(list(match.block_ids), match.num_tokens, extra_key)
         self._seqs[seq_id] = seq
         ops = self._grow(seq, num_new_tokens)
@@ -340,9 +340,8 @@ class PagedKVManager(SeqTable):
         parent = self._resident(parent_seq_id, "fork")
         if child_seq_id in self._seqs:
             raise ValueError(f"fork: seq {child_seq_id} already exists")
-        for b in parent.block_ids:
-            self.pool.incref(b)
-            self._add_seq_ref(b)
+        self.pool.incref_many(parent.block_ids)
+        self._add_seq_refs(parent.block_ids)
         self._seqs[child_seq_id] = _Seq(list(parent.block_ids), parent.num_tokens, parent.extra_key)
         self.prefix_index.fork(parent_seq_id, child_seq_id)
 
@@ -598,6 +597,19 @@ class PagedKVManager(SeqTable):
             self._num_blocks_in_use += 1
             self._num_token_slots += self._claimed[b]
         self._seq_refs[b] = r + 1
+
+    def _add_seq_refs(self, block_ids: Sequence[int]) -> None:
+        """``_add_seq_ref`` for each block, inlined (a prefix hit attaches hundreds)."""
+        seq_refs, claimed = self._seq_refs, self._claimed
+        num_new = slots = 0
+        for b in block_ids:
+            r = seq_refs[b]
+            if r == 0:
+                num_new += 1
+                slots += claimed[b]
+            seq_refs[b] = r + 1
+        self._num_blocks_in_use += num_new
+        self._num_token_slots += slots
 
     def _drop_seq_ref(self, b: int) -> None:
         r = self._seq_refs[b] - 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -471,7 +472,10 @@ class PagedEngine:
                 break
             step_tokens = token_lists[offset]
             scheduler.complete_decodes(pairs, step_tokens)
-            events.extend(map(TokenEvent, request_ids, samples, step_tokens, [offset] * len(pairs)))
+            # tuple.__new__ builds the NamedTuples in C (its generated __new__ is Python).
+            events.extend(
+                map(tuple.__new__, repeat(TokenEvent), zip(request_ids, samples, step_tokens, repeat(offset)))
+            )
             # Each step decodes one more token per sequence than the last.
             shape = StepShape(
                 num_decode_seqs=len(pairs), num_decode_context_tokens=context + offset * len(pairs)

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
+import operator
 import sys
 import time
+import typing
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,24 +177,34 @@ class RawRun:
     outputs: dict[str, tuple[tuple[int, ...], ...]]  # request id -> token ids per sample
 
 
-def flatten_stats(stats: Any, prefix: str = "") -> dict[str, Any]:
-    """StepStats -> flat dict; nested KVUsage fields get the ``kv_`` prefix."""
-    row: dict[str, Any] = {}
-    for name, is_nested in _field_layout(type(stats)):
-        value = getattr(stats, name)
-        if is_nested and dataclasses.is_dataclass(value):
-            row.update(flatten_stats(value, prefix=f"{name}_"))
-        else:
-            row[prefix + name] = value
-    return row
+STEP_COLUMNS = ("step", "start_s", "end_s", "duration_s", "device_time_s")
 
 
 @functools.cache
-def _field_layout(cls: type) -> tuple[tuple[str, bool], ...]:
-    """(field name, may hold a dataclass) per field of ``cls``, memoised: one steps row is
-    flattened per simulated step, and ``dataclasses.fields`` dominated that."""
-    scalar = (int, float, str, "int", "float", "str")
-    return tuple((f.name, f.type not in scalar) for f in dataclasses.fields(cls))
+def stats_layout(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    """The steps-frame columns of a StepStats class and a getter of one row's values.
+
+    Fields holding a dataclass (``kv: KVUsage``) are flattened one level, their columns
+    prefixed with the field name (``kv_allocated_bytes``). The getter is one
+    ``operator.attrgetter`` over dotted paths: a C-level read per row, since one row is
+    recorded per simulated step (hundreds of thousands for a recorded trace). Memoised.
+    """
+    columns: list[str] = []
+    paths: list[str] = []
+    hints = typing.get_type_hints(cls)  # annotations are strings (postponed evaluation)
+    for f in dataclasses.fields(cls):
+        nested = hints.get(f.name)
+        if isinstance(nested, type) and dataclasses.is_dataclass(nested):
+            for inner in dataclasses.fields(nested):
+                columns.append(f"{f.name}_{inner.name}")
+                paths.append(f"{f.name}.{inner.name}")
+        else:
+            columns.append(f.name)
+            paths.append(f.name)
+    getter = operator.attrgetter(*paths)
+    if len(paths) == 1:
+        return tuple(columns), lambda stats: (getter(stats),)
+    return tuple(columns), getter
 
 
 class _Progress:
@@ -269,27 +282,16 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
                 step_start = start_s
                 for covered, step_end in zip(output.covered_steps, ends):
                     step_rows.append(
-                        {
-                            "step": len(step_rows),
-                            "start_s": step_start,
-                            "end_s": step_end,
-                            "duration_s": step_end - step_start,
-                            "device_time_s": float("nan"),
-                        }
-                        | flatten_stats(covered.stats)
+                        (
+                            (len(step_rows), step_start, step_end, step_end - step_start, math.nan),
+                            covered.stats,
+                        )
                     )
                     step_start = step_end
             else:
                 ends = [end_s]
                 step_rows.append(
-                    {
-                        "step": len(step_rows),
-                        "start_s": start_s,
-                        "end_s": end_s,
-                        "duration_s": end_s - start_s,
-                        "device_time_s": clock.device_time_s(),
-                    }
-                    | flatten_stats(output.stats)
+                    ((len(step_rows), start_s, end_s, end_s - start_s, clock.device_time_s()), output.stats)
                 )
             for request_id in output.first_scheduled:
                 log = logs[request_id]
@@ -331,11 +333,24 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
     duration_s = clock.now()
     return RawRun(
         requests=_requests_frame(logs.values(), outputs),
-        steps=pd.DataFrame(step_rows),
+        steps=_steps_frame(step_rows),
         duration_s=duration_s,
         num_steps=len(step_rows),
         outputs=outputs,
     )
+
+
+def _steps_frame(step_rows: list[tuple[tuple[Any, ...], Any]]) -> pd.DataFrame:
+    """One row per step: the runner's timing columns then the stats' flattened fields
+    (``stats_layout``). Rows from different stats classes are aligned by column name."""
+    frames = []
+    for cls, rows in itertools.groupby(step_rows, key=lambda row: type(row[1])):
+        columns, getter = stats_layout(cls)
+        records = [timing + getter(stats) for timing, stats in rows]
+        frames.append(pd.DataFrame.from_records(records, columns=STEP_COLUMNS + columns))
+    if not frames:
+        return pd.DataFrame()
+    return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 
 
 def _requests_frame(logs: Any, outputs: dict[str, tuple[tuple[int, ...], ...]]) -> pd.DataFrame:
