@@ -34,6 +34,7 @@ from kvbench.engines.sampler import SampleKey, Sampler, log_softmax, stable_seed
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvbench.engines.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim_executor import CostModelExecutor, sim_setup
+from kvbench.hashing import GOLDEN64, MASK64, mix64
 from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
 from kvbench.types import CoveredStep, EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
@@ -47,8 +48,6 @@ DECODE_BACKENDS = ("auto", "torch", "triton")
 # Longest decode run modeled in one call: runs end at the first finish, arrival or
 # admission, so a cap only bounds the cost-model work wasted on a run that ends early.
 MAX_DECODE_RUN_STEPS = 1024
-_MASK64 = (1 << 64) - 1
-_GOLDEN64 = 0x9E3779B97F4A7C15
 _SAMPLE64 = 0xD1B54A32D192ED03
 
 
@@ -59,9 +58,9 @@ def stand_in_token(base: int, sample_index: int, position: int, vocab_size: int)
     Integer arithmetic only (~0.3 us; a blake2b seed per token cost ~3 us, a fifth of a
     simulated decode step per sequence). Pure.
     """
-    x = (base + (sample_index + 1) * _SAMPLE64 + (position + 1) * _GOLDEN64) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (base + (sample_index + 1) * _SAMPLE64 + (position + 1) * GOLDEN64) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     x ^= x >> 31
     return 3 + x % (vocab_size - 3)
 
@@ -82,12 +81,9 @@ def stand_in_tokens(
         np.asarray(bases, dtype=u64)[:, None]
         + (np.asarray(sample_indexes, dtype=u64)[:, None] + u64(1)) * u64(_SAMPLE64)
         + (np.asarray(first_positions, dtype=u64)[:, None] + np.arange(1, num_steps + 1, dtype=u64))
-        * u64(_GOLDEN64)
+        * u64(GOLDEN64)
     )
-    x = (x ^ (x >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> u64(27))) * u64(0x94D049BB133111EB)
-    x ^= x >> u64(31)
-    return (u64(3) + x % u64(vocab_size - 3)).astype(np.int64)
+    return (u64(3) + mix64(x) % u64(vocab_size - 3)).astype(np.int64)
 
 
 def rank_beam_candidates(

@@ -235,7 +235,12 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     )
     meta.update(engine.describe())  # kv_bytes_per_token, kv_pool_bytes, block_size, ...
     summary = summarize_run(
-        raw.requests, raw.steps, meta, memory, torch_peaks=None if sim else sampler.peaks()
+        raw.requests,
+        raw.steps,
+        meta,
+        memory,
+        torch_peaks=None if sim else sampler.peaks(),
+        workload_requests=workload.requests,
     )
     # Keep only the reasons of metrics that really ended up missing.
     meta["missing"] = dict(summary.missing)

@@ -47,6 +47,10 @@ SUMMARY_METRICS: tuple[str, ...] = (
     "kv_peak_allocated_bytes",
     "kv_token_fraction_mean",
     "prefix_hit_rate",
+    # Side by side: what the cache hit at each request's first admission, and what an
+    # unbounded cache could have hit on the same requests (same definition).
+    "prefix_hit_rate_first_admission",
+    "prefix_reuse_upper_bound",
     "kv_sharing_saved_fraction",
     "num_preemptions",
     "decode_roofline_fraction_mean",
@@ -282,14 +286,28 @@ def _concurrency(res: Results, ok: pd.DataFrame) -> go.Figure | None:
     )
 
 
+# Prefix hit rates drawn side by side: (column, legend name).
+PREFIX_RATES: tuple[tuple[str, str], ...] = (
+    ("prefix_hit_rate", "all admissions (re-admissions re-hit)"),
+    ("prefix_hit_rate_first_admission", "first admission"),
+    ("prefix_reuse_upper_bound", "reuse upper bound (unbounded cache)"),
+)
+
+
 def _prefix(res: Results, ok: pd.DataFrame) -> go.Figure | None:
-    if not _has(ok, "prefix_hit_rate"):
+    rates = [(c, n) for c, n in PREFIX_RATES if _has(ok, c)]
+    if not rates:
         return None
     fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (tokens)", "TTFT median (ms)"))
-    fig.add_trace(go.Bar(x=ok["label"], y=ok["prefix_hit_rate"], name="hit rate"), row=1, col=1)
-    fig.add_trace(go.Bar(x=ok["label"], y=ok.get("ttft_ms_median"), name="TTFT median"), row=1, col=2)
+    for i, (column, name) in enumerate(rates):
+        fig.add_trace(
+            go.Bar(x=ok["label"], y=ok[column], name=name, marker={"color": _color(i)}), row=1, col=1
+        )
+    fig.add_trace(
+        go.Bar(x=ok["label"], y=ok.get("ttft_ms_median"), name="TTFT median", showlegend=False), row=1, col=2
+    )
     fig.update_yaxes(range=[0, 1], row=1, col=1)
-    fig.update_layout(height=420, margin={"t": 40}, showlegend=False)
+    fig.update_layout(barmode="group", height=420, margin={"t": 40}, showlegend=len(rates) > 1)
     return fig
 
 

@@ -40,6 +40,7 @@ FLATTENED_META: dict[str, str] = {
     "hardware": "hardware",
     "slo": "slo",
     "workload_counters": "workload",
+    "workload_params": "workload_params",
     "environment": "env",
     "missing": "missing",
 }

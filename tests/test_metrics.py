@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -210,3 +211,67 @@ def test_constant_gaps_give_equal_tpot_and_itl(specs):
     for kind in ("ttft", "e2el"):
         stats = [m[f"{kind}_ms_{s}"] for s in ("median", "p90", "p99")]
         assert stats == sorted(stats)
+
+
+# --------------------------------------------------------------------------- prefix reuse
+def test_prefix_reused_tokens_definition():
+    a = tuple(range(10, 18))  # two 4-token blocks
+    reused = metrics.prefix_reused_tokens([a, a, a[:4], a + (1,), (0,) + a, a[:6]], 4)
+    # exact repeat: its last block holds the last prompt token -> 4 of 8; a[:4]: 0 (one
+    # block, which holds its last token); a + (1,): 8; shifted by one: 0; a[:6]: 4.
+    assert reused.tolist() == [0, 4, 0, 8, 0, 4]
+    assert reused.dtype == np.int64
+    # numpy int32 prompts and tuples are the same tokens
+    as_arrays = [np.asarray(p, dtype=np.int32) for p in (a, a + (1,))]
+    assert metrics.prefix_reused_tokens(as_arrays, 4).tolist() == [0, 8]
+    # a cache salt isolates tenants; the same salt shares
+    salted = metrics.prefix_reused_tokens([a, a + (1,), a + (2,)], 4, [None, "t", "t"])
+    assert salted.tolist() == [0, 0, 8]
+    assert metrics.prefix_reused_tokens([(), (1,)], 4).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="block_size"):
+        metrics.prefix_reused_tokens([a], 0)
+
+
+def _replayed(requests: pd.DataFrame) -> list[SimpleNamespace]:
+    """Stand-in workload requests for the exact run: r1 repeats r0's first 8 tokens."""
+    prompts = {
+        "r0": tuple(range(100, 110)),
+        "r1": tuple(range(100, 108)) + tuple(range(900, 912)),
+        "r2": (7,) * 5,
+        "r3": tuple(range(100, 110)) * 500,  # rejected: its blocks still count as seen
+    }
+    arrivals = dict(zip(requests["request_id"], requests["arrival_s"]))
+    return [
+        SimpleNamespace(request_id=rid, arrival_s=arrivals[rid], prompt_token_ids=ids, cache_salt=None)
+        for rid, ids in reversed(prompts.items())  # not in arrival order: the metric sorts
+    ]
+
+
+def test_first_admission_hit_rate_and_reuse_bound(exact):
+    requests, steps, memory, meta = exact
+    s = metrics.summarize_run(
+        requests, steps, {**meta, "block_size": 4}, workload_requests=_replayed(requests)
+    )
+    # completed r0, r1, r2: 10 + 20 + 5 prompt tokens, 8 cached (r1)
+    assert s.metrics["prefix_hit_rate_first_admission"] == pytest.approx(8 / 35)
+    # r1 reuses r0's blocks (100..103), (104..107); r0 and r2 reuse nothing
+    assert s.metrics["prefix_reuse_upper_bound"] == pytest.approx(8 / 35)
+    # the all-admissions rate counts steps, not requests
+    assert s.metrics["prefix_hit_rate"] == pytest.approx(8 / 35)
+
+
+def test_reuse_bound_missing_reasons(exact):
+    requests, steps, memory, meta = exact
+    s = metrics.summarize_run(requests, steps, meta)
+    assert "workload_requests" in s.missing["prefix_reuse_upper_bound"]
+    assert s.metrics["prefix_hit_rate_first_admission"] == pytest.approx(8 / 35)
+    dense = metrics.summarize_run(
+        requests, steps, {**meta, "block_size": None}, workload_requests=_replayed(requests)
+    )
+    assert "no KV block size" in dense.missing["prefix_reuse_upper_bound"]
+    no_lookups = steps.assign(num_prefix_query_tokens=0, num_prefix_hit_tokens=0)
+    s = metrics.summarize_run(requests, no_lookups, meta)
+    assert math.isnan(s.metrics["prefix_hit_rate_first_admission"])
+    assert "no prefix lookups" in s.missing["prefix_hit_rate_first_admission"]
+    with pytest.raises(metrics.MetricsError, match=r"\['r0'\] are not among the workload_requests"):
+        metrics.summarize_run(requests, steps, meta, workload_requests=_replayed(requests)[:3])

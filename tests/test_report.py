@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from plotly.offline import get_plotlyjs
-from run_fixtures import write_sweep, write_synthetic
+from run_fixtures import synthetic_run, write_sweep, write_synthetic
 
-from kvbench import report
+from kvbench import metrics, report, results
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_FLAGS = (
@@ -175,3 +175,26 @@ def test_report_renders_in_chromium(sweep_report, tmp_path):
     assert shot.returncode == 0, shot.stderr[-2000:]
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert screenshot.stat().st_size > 20_000  # a blank page is a few KB
+
+
+def test_first_admission_hit_rate_shown_next_to_the_reuse_bound(tmp_path):
+    sweep_dir = tmp_path / "bound"
+    for i, bound in enumerate((0.5, 0.75)):
+        requests, steps, memory, meta = synthetic_run(f"b{i}", "paged", 16, seed=i, prefix_hit_fraction=0.25)
+        summary = metrics.summarize_run(requests, steps, meta, memory)
+        # What summarize_run gives when handed the replayed requests' prompts.
+        values = {**summary.metrics, "prefix_reuse_upper_bound": bound}
+        missing = {k: v for k, v in summary.missing.items() if k != "prefix_reuse_upper_bound"}
+        results.write_run(sweep_dir / f"b{i}", requests, steps, memory, meta, "x: 1\n", values, missing)
+    page = report.build_report(sweep_dir, tmp_path / "bound.html").read_text()
+    header = re.search(r"<tr>(<th>.*?)</tr>", page).group(1)
+    columns = re.findall(r"<th>([^<]+)</th>", header)
+    first = columns.index("prefix_hit_rate_first_admission")
+    assert columns[first - 1 : first + 2] == [
+        "prefix_hit_rate",
+        "prefix_hit_rate_first_admission",
+        "prefix_reuse_upper_bound",
+    ]
+    assert '<td class="num">0.75</td>' in page
+    for _column, legend in report.PREFIX_RATES:  # the three rates drawn side by side, named
+        assert legend in page

@@ -58,6 +58,10 @@ def test_exact_small_workload() -> None:
     chained = Workload("c", (request(0, 0, [1, 2, 3, 4]), request(1, 0, [7, 7, 3, 4])))
     assert inspect_workload(chained, block_size=2)["prefix_reuse_upper_bound"] == 0.0
     assert inspect_workload(chained, block_size=2)["arrival_rate_per_s"] is None
+    # An exact repeat reuses all but the block holding its last token (always computed),
+    # as the engine's prefix cache and the run metric prefix_reuse_upper_bound count.
+    repeat = Workload("r", (request(0, 0, [1, 2, 3, 4]), request(1, 1, [1, 2, 3, 4])))
+    assert inspect_workload(repeat, block_size=2)["prefix_reuse_upper_bound"] == 2 / 8
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,12 @@
 Reports request count, duration, arrival rate, prompt/output length percentiles and the
 prefix-reuse upper bound: the share of prompt tokens whose ``block_size``-token block,
 chained by prefix, already appeared in an earlier request (what an unbounded prefix
-cache could at best skip). For Mooncake traces it also reports the share of hash ids
-seen before, at the trace's own 512-token granularity.
+cache could at best skip). The definition is the run metric ``prefix_reuse_upper_bound``
+(``kvbench.metrics.prefix_reused_tokens``): full blocks only, and never the block holding
+a prompt's last token unless a later token follows it in the prompt (an engine always
+computes the last prompt token), so a run's ``prefix_hit_rate_first_admission`` reaches it
+exactly when nothing is evicted and requests do not overlap. For Mooncake traces it also
+reports the share of hash ids seen before, at the trace's own 512-token granularity.
 
 Traces are inspected from their records, without materialising token ids, so the full
 Mooncake files (145M prompt tokens) inspect in seconds; the reuse computed from hash ids
@@ -17,13 +21,14 @@ import argparse
 import io
 import json
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvbench.metrics import prefix_reused_tokens
 from kvbench.types import Workload
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
@@ -38,8 +43,12 @@ PERCENTILES = (50, 90, 99)
 def inspect_workload(workload: Workload, block_size: int = 16) -> dict[str, Any]:
     """Summary of ``workload`` (see the module docstring); pure."""
     _check_block_size(block_size)
-    requests = workload.requests
-    reused = _reused_tokens_by_blocks((r.prompt_token_ids for r in requests), block_size)
+    requests = workload.requests  # sorted by arrival (Workload's contract)
+    reused = int(
+        prefix_reused_tokens(
+            (r.prompt_token_ids for r in requests), block_size, (r.cache_salt for r in requests)
+        ).sum()
+    )
     return _summary(
         name=workload.name,
         source=workload.source,
@@ -66,7 +75,7 @@ def inspect_trace(trace: ParsedTrace, block_size: int = 16) -> dict[str, Any]:
         extra["hash_block_size"] = MOONCAKE_BLOCK_TOKENS
         extra["hash_block_reuse"] = _hash_id_reuse(records)
     elif records[0].prompt_token_ids is not None:
-        reused = _reused_tokens_by_blocks((r.prompt_token_ids or () for r in records), block_size)
+        reused = int(prefix_reused_tokens((r.prompt_token_ids or () for r in records), block_size).sum())
     else:
         reused = 0
     times = np.array([r.timestamp_s for r in records])
@@ -127,32 +136,15 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float | int]:
     return stats
 
 
-def _reused_tokens_by_blocks(prompts: Iterable[Sequence[int]], block_size: int) -> int:
-    """Tokens in full blocks whose whole prefix (chain of blocks) was seen before.
-
-    Each block's key hashes its parent's key with its tokens, as vLLM's prefix cache
-    does; a block is reused only if the chain up to it is. O(total tokens).
-    """
-    seen: set[int] = set()
-    reused = 0
-    for prompt in prompts:
-        key = 0
-        for start in range(0, len(prompt) - block_size + 1, block_size):
-            key = hash((key, tuple(prompt[start : start + block_size])))
-            if key in seen:
-                reused += block_size
-            else:
-                seen.add(key)
-    return reused
-
-
 def _reused_tokens_by_hash_ids(records: Sequence[TraceRecord], block_size: int) -> int:
     """The block reuse that replaying the trace would show, computed from hash ids.
 
     Replayed tokens depend only on (hash id, offset in block), so the longest token
     prefix a request shares with any earlier one is found by walking a trie of hash-id
     paths that remembers the longest stretch of each block seen so far; the full
-    ``block_size`` blocks inside that prefix are the reused ones. O(total hash ids).
+    ``block_size`` blocks inside that prefix, and inside the first ``input_length - 1``
+    tokens, are the reused ones (``prefix_reused_tokens``'s definition, from hash ids
+    instead of tokens). O(total hash ids).
     """
     children: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> node
     longest: list[int] = [0]  # node -> most tokens of its block seen so far
@@ -171,7 +163,8 @@ def _reused_tokens_by_hash_ids(records: Sequence[TraceRecord], block_size: int) 
             if common < MOONCAKE_BLOCK_TOKENS:
                 break
             node = child
-        reused += matched // block_size * block_size
+        # The last prompt token is always computed, so its block is never a hit.
+        reused += min(matched, record.input_length - 1) // block_size * block_size
         node = 0
         for hash_id, block_len in zip(record.hash_ids, block_lens):
             child = children.get((node, hash_id))

@@ -8,12 +8,12 @@ specials (pad, bos, eos), so drawn ids lie in ``[FIRST_REGULAR_TOKEN_ID, vocab_s
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from kvbench.hashing import GOLDEN64, MASK64, mix64
 from kvbench.workloads.errors import WorkloadConfigError
 
 FIRST_REGULAR_TOKEN_ID = 3
@@ -31,9 +31,6 @@ STREAM_SAMPLE = 9
 STREAM_PASSKEY = 10
 STREAM_NEXT_LEN = 11
 STREAM_GAPS = 12
-
-_MASK64 = (1 << 64) - 1
-_GOLDEN64 = 0x9E3779B97F4A7C15
 
 
 @runtime_checkable
@@ -69,24 +66,10 @@ def derive_rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
 
 
-def stable_key(text: str) -> int:
-    """A 63-bit key of ``text`` that is the same in every process (unlike ``hash``)."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def random_token_ids(rng: np.random.Generator, num_tokens: int, vocab_size: int) -> np.ndarray:
     """``num_tokens`` ids drawn uniformly from ``[3, vocab_size)``; advances ``rng``."""
     # ids: [num_tokens] int64
     return rng.integers(FIRST_REGULAR_TOKEN_ID, vocab_size, size=num_tokens, dtype=np.int64)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic is intended)."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
 
 
 def keyed_token_ids(
@@ -101,12 +84,12 @@ def keyed_token_ids(
     """
     keys_u = np.asarray(keys, dtype=np.int64).astype(np.uint64)  # [n]
     offsets_u = np.asarray(offsets, dtype=np.int64).astype(np.uint64)  # [n]
-    golden = np.uint64(_GOLDEN64)
+    golden = np.uint64(GOLDEN64)
     # The +1s keep (seed, key, offset) = (0, 0, 0) off the mixer's fixed point at zero.
-    seed_mixed = _mix64(np.array([((seed + 1) * _GOLDEN64) & _MASK64], dtype=np.uint64))
+    seed_mixed = mix64(np.array([((seed + 1) * GOLDEN64) & MASK64], dtype=np.uint64))
     with np.errstate(over="ignore"):
-        block_base = _mix64(((keys_u + np.uint64(1)) * golden) ^ seed_mixed)
-        mixed = _mix64(block_base + (offsets_u + np.uint64(1)) * golden)
+        block_base = mix64(((keys_u + np.uint64(1)) * golden) ^ seed_mixed)
+        mixed = mix64(block_base + (offsets_u + np.uint64(1)) * golden)
     num_regular = np.uint64(vocab_size - FIRST_REGULAR_TOKEN_ID)
     return (mixed % num_regular).astype(np.int64) + FIRST_REGULAR_TOKEN_ID
 

@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from kvbench.hashing import stable_key
 from kvbench.workloads.errors import TraceError
-from kvbench.workloads.tokens import Tokenizer, keyed_token_ids, stable_key
+from kvbench.workloads.tokens import Tokenizer, keyed_token_ids
 from kvbench.workloads.trace_io import AZURE_HEADER, BURSTGPT_HEADER, open_text
 
 MOONCAKE_BLOCK_TOKENS = 512
