@@ -45,9 +45,11 @@ PREFIX_INDEXES = {
     "none": NullPrefixIndex,
 }
 DECODE_BACKENDS = ("auto", "torch", "triton")
-# Longest decode run modeled in one call: runs end at the first finish, arrival or
-# admission, so a cap only bounds the cost-model work wasted on a run that ends early.
+# Most steps one decode run covers (one StepOutput): runs end at the first finish,
+# arrival, admission or preemption anyway; the cap bounds one output's size.
 MAX_DECODE_RUN_STEPS = 1024
+# Steps modeled in a run's first window (then 2x, 4x, ...): runs often end within a few.
+FIRST_DECODE_WINDOW = 8
 _SAMPLE64 = 0xD1B54A32D192ED03
 
 
@@ -404,8 +406,8 @@ class PagedEngine:
         and the step starts before ``next_arrival_s``. Each step updates the scheduler, KV
         manager and prefix index exactly as a single ``step`` would (tests compare both),
         without planning chunks or modeling each step separately: step times come from
-        one cost-model call, stand-in tokens and the first EOS from one vectorised draw,
-        and the KV side from a ``DecodeRun``. Returns None when not even the first step
+        cost-model calls over windows of steps, stand-in tokens and the first EOS from
+        vectorised draws, and the KV side from a ``DecodeRun``. Returns None when not even the first step
         qualifies (the caller steps normally); a step that turns out to admit a waiting
         group is left planned in the scheduler for that normal step.
         """
@@ -433,58 +435,71 @@ class PagedEngine:
         executor = self.executor
         assert isinstance(executor, CostModelExecutor)
         context = sum(len(seq.token_ids) for _, seq in pairs)
-        durations_list = executor.cost_model.decode_run_s(len(pairs), context, max_steps).tolist()
-        # Steps that start before the next arrival (which is submitted before the next
-        # step), with start times summed one at a time like the clock does.
-        start_s = now_s
-        max_steps = 0
-        for duration_s in durations_list:
-            if start_s >= next_arrival_s:
-                break
-            start_s += duration_s
-            max_steps += 1
-        if max_steps == 0:
-            return None
-        tokens = stand_in_tokens(seq_bases, samples, positions, max_steps, self.ctx.spec.vocab_size)
-        if any(check_eos):
-            # The step in which some sequence samples EOS finishes it: a normal step.
-            eos_hits = (tokens[np.asarray(check_eos)] == self.ctx.spec.eos_token_id).any(axis=0)
-            if eos_hits.any():
-                max_steps = int(eos_hits.argmax())
+        num_seqs = len(pairs)
+        vocab, eos = self.ctx.spec.vocab_size, self.ctx.spec.eos_token_id
+        eos_rows = np.asarray(check_eos) if any(check_eos) else None
         kv = self.kv
         run = kv.decode_run([seq.seq_id for _, seq in pairs])
-        token_lists = tokens[:, :max_steps].T.tolist()  # [step][seq]
+        request_ids = [group.request_id for group, _ in pairs]
         covered: list[CoveredStep] = []
         events: list[TokenEvent] = []
-        request_ids = [group.request_id for group, _ in pairs]
-        for offset in range(max_steps):
-            if run.num_new_blocks() > kv.num_allocatable_blocks:
-                break  # a preemption: a normal step
-            counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
-            if not scheduler.append_decodes(pairs, run):
-                # A waiting group starts in this step: the scheduler keeps its plan for the
-                # next normal step, whose stats count from here.
-                self._prepared_counters = counters0
-                break
-            step_tokens = token_lists[offset]
-            scheduler.complete_decodes(pairs, step_tokens)
-            # tuple.__new__ builds the NamedTuples in C (its generated __new__ is Python).
-            events.extend(
-                map(tuple.__new__, repeat(TokenEvent), zip(request_ids, samples, step_tokens, repeat(offset)))
-            )
-            # Each step decodes one more token per sequence than the last.
-            shape = StepShape(
-                num_decode_seqs=len(pairs), num_decode_context_tokens=context + offset * len(pairs)
-            )
-            duration_s = durations_list[offset]
-            covered.append(
-                CoveredStep(
-                    duration_s,
-                    self._stats(counters0, num_prefill_tokens=0, num_decode_tokens=len(pairs), shape=shape),
+        start_s = now_s  # summed one step at a time, as the clock does
+        offset = 0
+        window = FIRST_DECODE_WINDOW
+        ended = False
+        while not ended and offset < max_steps:
+            # Step times and tokens for a window of steps at a time, doubling: most runs
+            # end within a few steps (an admission, a preemption), and modeling all
+            # MAX_DECODE_RUN_STEPS up front wasted most of the work.
+            size = min(window, max_steps - offset)
+            window *= 2
+            durations = executor.cost_model.decode_run_s(num_seqs, context + offset * num_seqs, size).tolist()
+            tokens = stand_in_tokens(seq_bases, samples, [p + offset for p in positions], size, vocab)
+            limit = size
+            if eos_rows is not None:
+                # The step in which some sequence samples EOS finishes it: a normal step.
+                eos_hits = (tokens[eos_rows] == eos).any(axis=0)
+                if eos_hits.any():
+                    limit = int(eos_hits.argmax())
+                    ended = True
+            token_lists = tokens[:, :limit].T.tolist()  # [step][seq]
+            for step_tokens, duration_s in zip(token_lists, durations):
+                if start_s >= next_arrival_s:
+                    ended = True  # the arrival is submitted before this step
+                    break
+                if run.num_new_blocks() > kv.num_allocatable_blocks:
+                    ended = True  # a preemption: a normal step
+                    break
+                counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+                if not scheduler.append_decodes(pairs, run):
+                    # A waiting group starts in this step: the scheduler keeps its plan for
+                    # the next normal step, whose stats count from here.
+                    self._prepared_counters = counters0
+                    ended = True
+                    break
+                scheduler.complete_decodes(pairs, step_tokens)
+                # tuple.__new__ builds the NamedTuples in C (their generated __new__ is Python).
+                events.extend(
+                    map(
+                        tuple.__new__,
+                        repeat(TokenEvent),
+                        zip(request_ids, samples, step_tokens, repeat(offset)),
+                    )
                 )
-            )
-            executor.num_steps += 1
-            executor.total_modeled_s += duration_s
+                # Each step decodes one more token per sequence than the last.
+                shape = StepShape(
+                    num_decode_seqs=num_seqs, num_decode_context_tokens=context + offset * num_seqs
+                )
+                covered.append(
+                    CoveredStep(
+                        duration_s,
+                        self._stats(counters0, num_prefill_tokens=0, num_decode_tokens=num_seqs, shape=shape),
+                    )
+                )
+                executor.num_steps += 1
+                executor.total_modeled_s += duration_s
+                start_s += duration_s
+                offset += 1
         scheduler.finish_decodes(pairs)
         if not covered:
             return None
