@@ -7,6 +7,7 @@ goes on; the caller learns the outcome from the returned ``RunOutcome``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import traceback
@@ -209,13 +210,14 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     cuda = cfg.run.device.startswith("cuda") and torch.cuda.is_available()
     clock = SimClock() if sim else WallClock(torch.cuda.synchronize if cuda else None, cuda_events=cuda)
     device_index = torch.device(cfg.run.device).index or 0
-    with MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=device_index) as sampler:
+    sampler = MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=device_index)
+    # Simulation samples nothing: the process's memory is the simulator's own, not the
+    # modeled GPU's (and a sampling thread only competes for the GIL).
+    with contextlib.nullcontext() if sim else sampler:
         raw = replay(engine, workload, clock, progress=cfg.run.progress)
     memory = sampler.samples_frame()
     missing = dict(sampler.missing())
     if sim:
-        # The process's memory is the simulator's own, not the modeled GPU's.
-        memory = memory.iloc[0:0]
         missing = {
             col: "simulation mode: no device memory exists to sample"
             for col in memory.columns
