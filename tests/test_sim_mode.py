@@ -200,3 +200,28 @@ def test_decode_run_matches_executing_the_same_steps_one_by_one():
         executor.decode_run_s(decode_output([]), 2)
     with pytest.raises(ValueError, match="copies or swaps"):
         executor.decode_run_s(decode_output(lens, (KVOps(copies=((1, 2),)),)), 2)
+
+
+def test_seed_claims_best_of_8_shares_the_2000_token_prompt(tmp_path):
+    """Best-of-8 on 2,000-token prompts (125 full blocks) with 256 output tokens, H200 pool
+    (no preemption): each request holds one prompt plus eight outputs' slots (the last
+    sampled token of each sample never gets a KV slot) against eight of each unshared."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbench", "sweep", "+experiment=seed_claims_best_of_8", "run.report=false",
+         "hydra.sweeper.params.hardware=h200-141gb", "workload.num_requests=8"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    [requests_file] = (Path(tmp_path) / "results" / "seed_claims_best_of_8").glob("*/requests.parquet")
+    requests = pd.read_parquet(requests_file)
+    assert len(requests) == 8 and (requests["num_preemptions"] == 0).all()
+    assert (requests["peak_kv_slots"] == 2000 + 8 * 255).all()
+    assert (requests["peak_kv_slots_unshared"] == 8 * (2000 + 255)).all()
+    runs = pd.read_parquet(Path(tmp_path) / "results" / "seed_claims_best_of_8" / "runs.parquet")
+    assert runs["kv_sharing_saved_fraction"].iloc[0] == pytest.approx(1 - 4040 / 18040)
