@@ -8,6 +8,9 @@ of several runs can be written with ``write_sweep()``.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,27 @@ import numpy as np
 import pandas as pd
 
 from kvbench import metrics, results
+
+
+def run_kvbench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m kvbench ARGS`` in ``cwd`` (a fresh process, as a user runs it), output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def sweep_experiment(experiment: str, *overrides: str, cwd: Path) -> Path:
+    """``kvbench sweep +experiment=EXPERIMENT OVERRIDES`` without a report; fails the test
+    (showing the output) unless every run succeeded. Returns the sweep's results folder."""
+    out = run_kvbench("sweep", f"+experiment={experiment}", "run.report=false", *overrides, cwd=cwd)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    return cwd / "results" / experiment
+
 
 KV_BYTES_PER_TOKEN = 1024  # tiny model: 2 * 4 layers * 2 kv heads * 32 dim * fp32
 

@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from run_fixtures import run_kvbench
 
 SMALL = ["workload.num_requests=3", "workload.prompt_len=24", "workload.output_len=4", "run.warmup=false"]
 
 
-def kvbench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "kvbench", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+kvbench = run_kvbench
 
 
 def test_help_lists_every_subcommand(tmp_path: Path) -> None:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pandas as pd
 import pytest
 import torch
+from run_fixtures import sweep_experiment
 
 from kvbench.engines.kv_manager import KVOps
 from kvbench.engines.paged import PagedEngine
@@ -206,22 +208,16 @@ def test_seed_claims_best_of_8_shares_the_2000_token_prompt(tmp_path):
     """Best-of-8 on 2,000-token prompts (125 full blocks) with 256 output tokens, H200 pool
     (no preemption): each request holds one prompt plus eight outputs' slots (the last
     sampled token of each sample never gets a KV slot) against eight of each unshared."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import pandas as pd
-
-    out = subprocess.run(
-        [sys.executable, "-m", "kvbench", "sweep", "+experiment=seed_claims_best_of_8", "run.report=false",
-         "hydra.sweeper.params.hardware=h200-141gb", "workload.num_requests=8"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, (out.stdout, out.stderr)
-    [requests_file] = (Path(tmp_path) / "results" / "seed_claims_best_of_8").glob("*/requests.parquet")
+    sweep = sweep_experiment(
+        "seed_claims_best_of_8",
+        "hydra.sweeper.params.hardware=h200-141gb",
+        "workload.num_requests=8",
+        cwd=tmp_path,
+    )
+    [requests_file] = sweep.glob("*/requests.parquet")
     requests = pd.read_parquet(requests_file)
     assert len(requests) == 8 and (requests["num_preemptions"] == 0).all()
     assert (requests["peak_kv_slots"] == 2000 + 8 * 255).all()
     assert (requests["peak_kv_slots_unshared"] == 8 * (2000 + 255)).all()
-    runs = pd.read_parquet(Path(tmp_path) / "results" / "seed_claims_best_of_8" / "runs.parquet")
+    runs = pd.read_parquet(sweep / "runs.parquet")
     assert runs["kv_sharing_saved_fraction"].iloc[0] == pytest.approx(1 - 4040 / 18040)

@@ -10,8 +10,6 @@ mode at paper scale (Llama-3-70B on an H100's KV pool).
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -20,6 +18,7 @@ import torch
 from engine_driver import drive_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from run_fixtures import sweep_experiment
 
 from kvbench.engines.dense import DenseEngine
 from kvbench.engines.executor import ExecutionResult
@@ -464,13 +463,13 @@ def test_sim_mode_llama3_70b_batch_of_32_on_an_h100_pool():
 
 def test_seed_claims_slab_experiment_sweeps_the_engine_under_the_sim_wrapper(tmp_path: Path):
     """The experiment loads conf/engine/<name> into engine.engine (simulated_engine's factory)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kvbench", "sweep", "+experiment=seed_claims_slab", "run.report=false",
-         "hydra.sweeper.params.hardware=h100-80gb", "hydra.sweeper.params.workload=chat"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, (out.stdout, out.stderr)
-    runs = pd.read_parquet(tmp_path / "results" / "seed_claims_slab" / "runs.parquet").set_index("engine")
+    sweep = sweep_experiment(
+        "seed_claims_slab",
+        "hydra.sweeper.params.hardware=h100-80gb",
+        "hydra.sweeper.params.workload=chat",
+        cwd=tmp_path,
+    )
+    runs = pd.read_parquet(sweep / "runs.parquet").set_index("engine")
     assert sorted(runs.index) == ["paged", "slab", "slab_request"]
     assert (runs["status"] == "ok").all() and (runs["executor"] == "cost_model").all()
     fraction = runs["kv_token_fraction_mean"]
