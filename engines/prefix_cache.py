@@ -20,6 +20,7 @@ Who holds what (the manager and the index share one ``BlockPool``):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -399,7 +400,8 @@ class BlockHashPrefixIndex:
                 if maybe_dropped:
                     now = gather(epoch, blocks)
                     if now != epochs:
-                        valid = next(i for i, (a, b) in enumerate(zip(now, epochs)) if a != b)
+                        # The first block whose registration changed, found in C.
+                        valid = list(map(operator.eq, now, epochs)).index(False)
                         blocks, epochs, num_taken = blocks[:valid], epochs[:valid], None
         lookup, block_key = self._hash_to_block, self._block_key
         found: list[int] = []

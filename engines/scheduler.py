@@ -118,7 +118,7 @@ class ScheduledChunk(NamedTuple):
     """
 
     seq_id: int
-    token_ids: tuple[int, ...]
+    token_ids: SequenceOf[int]  # the chunk's own copy
     start_pos: int
     block_table: SequenceOf[int]
     sample: bool
@@ -672,7 +672,9 @@ class Scheduler:
                 lost = min(end, seq.num_lost_tokens) - start
                 num_recomputed += lost
                 piece.group.num_recomputed_tokens += lost
-            token_ids = (seq.token_ids[start],) if num_tokens == 1 else tuple(seq.token_ids[start:end])
+            # A list slice is the chunk's own copy already (tuple() of it copied a prefill
+            # chunk's 8K ids twice).
+            token_ids = [seq.token_ids[start]] if num_tokens == 1 else seq.token_ids[start:end]
             chunks.append(
                 ScheduledChunk(
                     seq.seq_id, token_ids, start, kv.block_table(seq.seq_id), end == seq_len, is_decode

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import pandas as pd
 
 from kvbench.types import Engine, StepOutput, Workload
@@ -368,7 +369,9 @@ def _steps_frame(step_rows: list[tuple[tuple[Any, ...], Any]]) -> pd.DataFrame:
     for cls, rows in itertools.groupby(step_rows, key=lambda row: type(row[1])):
         columns, getter = stats_layout(cls)
         records = [timing + getter(stats) for timing, stats in rows]
-        frames.append(pd.DataFrame.from_records(records, columns=STEP_COLUMNS + columns))
+        # Column by column (zip(*rows) transposes in C): from_records builds an object
+        # array of every cell first, a tenth of a second per 10K steps.
+        frames.append(pd.DataFrame(dict(zip(STEP_COLUMNS + columns, map(np.array, zip(*records))))))
     if not frames:
         return pd.DataFrame()
     return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
