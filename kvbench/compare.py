@@ -59,6 +59,7 @@ HEADLINE_METRICS: tuple[str, ...] = (
     "kv_peak_allocated_bytes",
     "kv_token_fraction_mean",
     "prefix_hit_rate",
+    "prefix_hit_rate_first_admission",
     "peak_num_running",
     "num_preemptions",
 )
