@@ -107,7 +107,8 @@ def test_sim_steps_take_the_cost_models_time():
 
 def test_calibrated_simulation_predicts_latency_of_an_unseen_workload():
     """Ground truth is an engine timed by a known profile with exact step shapes; the fit
-    only sees its steps frame (approximate composition), then predicts another workload."""
+    only sees its steps frame (the composition columns the engine records), then predicts
+    another workload."""
     truth = HardwareSpec(
         name="truth",
         hbm_bandwidth_gbps=20.0,
