@@ -282,19 +282,6 @@ class PagedKVManager(SeqTable):
             )
         return self._grow(seq, num_new_tokens)
 
-    def num_append_blocks(self, seq_id: int, num_new_tokens: int) -> int | None:
-        """New blocks ``append(seq_id, num_new_tokens)`` would take now (free or evicted), or
-        None when it would also copy a shared partial block (copy-on-write). Pure.
-
-        Lets a simulated engine check a whole decode step before taking it. Raises KeyError
-        for an unknown sequence, ValueError for a swapped one.
-        """
-        seq = self._resident(seq_id, "num_append_blocks")
-        offset = seq.num_tokens % self.block_size
-        if num_new_tokens > 0 and offset and self._must_copy(seq.block_ids[-1], offset, held=True):
-            return None
-        return self._num_blocks_needed(seq.num_tokens, seq.block_ids, num_new_tokens, held=True)
-
     def can_decode_together(self, seq_ids: Sequence[int]) -> bool:
         """Whether ``decode_run(seq_ids)`` may start: every sequence is resident, its next
         slot is written in place or into a fresh block (no copy-on-write), and no two share

@@ -253,7 +253,7 @@ class PagedEngine:
         self._is_cuda = torch.device(ctx.device).type == "cuda"
         # Fast-forward (simulation only): the cost-model executor prices a decode run in
         # one call, and only the plain paged manager's accounting is known to be what
-        # decode_step_blocks/append_decodes assume (variants override append/usage).
+        # DecodeRun/append_decodes assume (variants override append/usage).
         self._decode_runs = (
             bool(fast_forward) and isinstance(executor, CostModelExecutor) and type(self.kv) is PagedKVManager
         )
