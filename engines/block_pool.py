@@ -30,7 +30,7 @@ Free list picture (head is reused first)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from operator import itemgetter
 
 
@@ -136,6 +136,31 @@ class BlockPool:
             out.append(b)
             b = self._next[b]
         return out
+
+    def peek(self, num_blocks: int) -> list[int]:
+        """The blocks the next ``num_blocks`` allocations would return, in order (fewer when
+        fewer are free). Pure; O(num_blocks)."""
+        out = []
+        nxt = self._next
+        sentinel = self.num_blocks
+        b = nxt[sentinel]
+        for _ in range(min(num_blocks, self._num_free)):
+            out.append(b)
+            b = nxt[b]
+        return out
+
+    def num_free_before(self, watch: Container[int], limit: int) -> int:
+        """How many blocks from the free list's head (the next allocated) come before the
+        first one in ``watch``: at most ``limit`` and ``num_free``. Pure; O(result)."""
+        nxt = self._next
+        sentinel = self.num_blocks
+        b = nxt[sentinel]
+        count = 0
+        limit = min(limit, self._num_free)
+        while count < limit and b not in watch:
+            count += 1
+            b = nxt[b]
+        return count
 
     @property
     def reuse_listener(self) -> Callable[[list[int]], None] | None:

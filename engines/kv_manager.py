@@ -23,7 +23,7 @@ stay referenced by the swapped sequence, because other holders still read them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -300,6 +300,14 @@ class PagedKVManager(SeqTable):
                 partial.add(last)
         return True
 
+    def match_watch(
+        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
+    ) -> Container[int] | None:
+        """The prefix index's ``match_watch``: blocks whose reuse could change what
+        ``can_allocate(.., token_ids, .., extra_key)`` finds cached while only ``seq_ids``
+        decode; None when anything might. Pure apart from the index's match memo."""
+        return self.prefix_index.match_watch(token_ids, extra_key, seq_ids)
+
     def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
         """Start growing ``seq_ids`` by one slot per step (see ``DecodeRun``). Mutates
         nothing yet. ValueError when ``can_decode_together`` is False."""
@@ -426,12 +434,17 @@ class PagedKVManager(SeqTable):
     # ------------------------------------------------------------------ usage / check
     def usage(self) -> KVUsage:
         """Memory now, in bytes of the device pool (cached = held only by the prefix cache)."""
+        return self._usage(
+            self._num_blocks_in_use, self._num_token_slots, self.pool.num_free - self.pool.num_cached_free
+        )
+
+    def _usage(self, in_use: int, token_slots: int, free: int) -> KVUsage:
+        """KVUsage for these device counts (blocks in use, claimed slots, free uncached
+        blocks) and the host pool now. Pure."""
         per_block = self.bytes_per_block
-        in_use = self._num_blocks_in_use
-        free = self.pool.num_free - self.pool.num_cached_free
         cached = self.num_blocks - free - in_use
         allocated = in_use * per_block
-        token_bytes = self._num_token_slots * self.bytes_per_token
+        token_bytes = token_slots * self.bytes_per_token
         return KVUsage(
             capacity_bytes=self.num_blocks * per_block,
             allocated_bytes=allocated,
@@ -674,3 +687,84 @@ class DecodeRun:
                 kv._grow(seq, 1)
         kv._num_token_slots += slots
         self._num_steps += 1
+
+    def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
+        """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
+        once: together they take no more blocks than are free (nothing to evict) and none
+        of the blocks in ``watch``. 0 when the prefix index holds blocks (its commits move
+        references, so steps must interleave with them). Pure; O(steps + blocks taken)."""
+        kv = self._kv
+        if kv.prefix_index.holds_blocks or max_steps <= 0:
+            return 0
+        bs = kv.block_size
+        # Each sequence takes at most one block per bs steps: an upper bound on the walk.
+        cap = (max_steps // bs + 1) * len(self._seqs)
+        num_safe = kv.pool.num_free_before(watch, cap)
+        at_boundary = self._at_boundary
+        start = self._num_steps
+        steps = total = 0
+        while steps < max_steps:
+            total += at_boundary[-(start + steps) % bs]
+            if total > num_safe:
+                break
+            steps += 1
+        return steps
+
+    def advance_many(self, num_steps: int) -> list[tuple[KVUsage, int]]:
+        """``advance`` ``num_steps`` times with nothing in between: the same blocks (taken
+        step by step in sequence order), claims, counters and reuse-listener drops, in one
+        pass. Returns, per step, the usage after it and how many cached blocks it reused
+        (evictions). Only for an index that holds no blocks and when the steps' blocks are
+        free (``num_quiet_steps``); raises KVCapacityError otherwise, changing nothing.
+        Mutates the manager (claims, block tables, the pool, the index via the listener)."""
+        kv = self._kv
+        bs = kv.block_size
+        pool = kv.pool
+        start = self._num_steps
+        at_boundary = self._at_boundary
+        needs = [at_boundary[-(start + t) % bs] for t in range(num_steps)]
+        total = sum(needs)
+        if kv.prefix_index.holds_blocks or total > pool.num_free:
+            raise KVCapacityError(f"decode run: {total} blocks for {num_steps} steps, {pool.num_free} free")
+        in_use, token_slots = kv._num_blocks_in_use, kv._num_token_slots
+        free = pool.num_free - pool.num_cached_free
+        reused = [pool.is_cached(b) for b in pool.peek(total)]  # read before they are taken
+        fresh = pool.allocate_many(total)
+        # Step t gives a block to every sequence whose slot count is then a multiple of bs.
+        by_offset: dict[int, list[_Seq]] = {}
+        for seq in self._seqs:
+            by_offset.setdefault(seq.num_tokens % bs, []).append(seq)
+        taken = iter(fresh)
+        for t in range(num_steps):
+            for seq in by_offset.get(-t % bs, ()):
+                seq.block_ids.append(next(taken))
+        # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped).
+        claimed, seq_refs = kv._claimed, kv._seq_refs
+        stale = 0  # a partial block's stale claims, overwritten by the first step
+        for seq in self._seqs:
+            before, table = seq.num_tokens, seq.block_ids
+            after = before + num_steps
+            offset = before % bs
+            if offset:
+                last = table[(before - 1) // bs]
+                stale += offset - claimed[last]
+                claimed[last] = min(bs, offset + num_steps)
+            for b in table[-(-before // bs) :]:
+                claimed[b] = bs
+                seq_refs[b] = 1
+            if len(table) * bs > after:
+                claimed[table[-1]] = after - (len(table) - 1) * bs
+            seq.num_tokens = after
+        num_seqs = len(self._seqs)
+        kv._num_blocks_in_use += total
+        kv._num_token_slots += num_steps * num_seqs + stale
+        self._num_steps += num_steps
+        out = []
+        cursor = 0
+        for t, need in enumerate(needs):
+            num_reused = reused[cursor : cursor + need].count(True)
+            cursor += need
+            in_use += need
+            free -= need - num_reused
+            out.append((kv._usage(in_use, token_slots + (t + 1) * num_seqs + stale, free), num_reused))
+        return out

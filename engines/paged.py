@@ -120,6 +120,60 @@ def rank_beam_candidates(
     return chosen, finished
 
 
+class _RunLog:
+    """A decode run's covered steps and token events, as single steps would report them."""
+
+    __slots__ = ("engine", "request_ids", "samples", "context", "covered", "events")
+
+    def __init__(self, engine: PagedEngine, request_ids: list[str], samples: list[int], context: int) -> None:
+        self.engine = engine
+        self.request_ids = request_ids  # per sequence of the run, in batch order
+        self.samples = samples
+        self.context = context  # KV tokens the batch reads in the run's first step
+        self.covered: list[CoveredStep] = []
+        self.events: list[TokenEvent] = []
+
+    def add(
+        self,
+        step_tokens: list[int],
+        duration_s: float,
+        offset: int,
+        counters0: tuple[int, int, int],
+        counters1: tuple[int, int, int] | None = None,
+        usage: KVUsage | None = None,
+    ) -> None:
+        """Record run step ``offset`` (its tokens, one per sequence): events, stats (see
+        ``PagedEngine._stats``; default usage and counters: now) and the executor's step
+        counters. Mutates the log and the executor."""
+        num_seqs = len(self.request_ids)
+        # tuple.__new__ builds the NamedTuples in C (their generated __new__ is Python).
+        self.events.extend(
+            map(
+                tuple.__new__,
+                repeat(TokenEvent),
+                zip(self.request_ids, self.samples, step_tokens, repeat(offset)),
+            )
+        )
+        # Each step decodes one more token per sequence than the last.
+        shape = StepShape(
+            num_decode_seqs=num_seqs, num_decode_context_tokens=self.context + offset * num_seqs
+        )
+        engine = self.engine
+        stats = engine._stats(
+            counters0,
+            counters1,
+            num_prefill_tokens=0,
+            num_decode_tokens=num_seqs,
+            shape=shape,
+            usage=usage,
+            num_running=num_seqs,
+        )
+        self.covered.append(CoveredStep(duration_s, stats))
+        executor = engine.executor
+        executor.num_steps += 1
+        executor.total_modeled_s += duration_s
+
+
 class PagedEngine:
     """Paged KV engine; see the module docstring. Parameters mirror ``conf/engine/paged.yaml``.
 
@@ -356,6 +410,7 @@ class PagedEngine:
     def _stats(
         self,
         counters0: tuple[int, int, int],
+        counters1: tuple[int, int, int] | None = None,
         *,
         num_prefill_tokens: int,
         num_decode_tokens: int,
@@ -368,10 +423,14 @@ class PagedEngine:
         num_running: int | None = None,
     ) -> StepStats:
         """The step's StepStats; ``counters0`` are the KV manager's (prefix queries, hits,
-        evictions) before it; ``usage``/``num_running`` as executed (default: now). Pure."""
+        evictions) before it and ``counters1`` after it (default: now); ``usage`` and
+        ``num_running`` as executed (default: now). Pure."""
         kv = self.kv
         scheduler = self.scheduler
         queries0, hits0, evicted0 = counters0
+        if counters1 is None:
+            counters1 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+        queries1, hits1, evicted1 = counters1
         if num_running is None:
             num_running = sum(len(group.seqs) for group in scheduler.running)
         return StepStats(
@@ -384,9 +443,9 @@ class PagedEngine:
             num_swapped=len(scheduler.swapped),
             num_preemptions=num_preemptions,
             num_recomputed_tokens=num_recomputed_tokens,
-            num_prefix_query_tokens=kv.num_prefix_query_tokens - queries0,
-            num_prefix_hit_tokens=kv.num_prefix_hit_tokens - hits0,
-            num_evicted_blocks=kv.num_evicted_blocks - evicted0,
+            num_prefix_query_tokens=queries1 - queries0,
+            num_prefix_hit_tokens=hits1 - hits0,
+            num_evicted_blocks=evicted1 - evicted0,
             bytes_to_host=bytes_to_host,
             bytes_from_host=bytes_from_host,
             modeled_transfer_s=(bytes_to_host + bytes_from_host) / (self.ctx.hardware.pcie_gbps * 1e9),
@@ -407,9 +466,11 @@ class PagedEngine:
         manager and prefix index exactly as a single ``step`` would (tests compare both),
         without planning chunks or modeling each step separately: step times come from
         cost-model calls over windows of steps, stand-in tokens and the first EOS from
-        vectorised draws, and the KV side from a ``DecodeRun``. Returns None when not even the first step
-        qualifies (the caller steps normally); a step that turns out to admit a waiting
-        group is left planned in the scheduler for that normal step.
+        vectorised draws, and the KV side from a ``DecodeRun``. Steps in which the waiting
+        head provably cannot start (``Scheduler.quiet_decode_steps``) are reserved and
+        completed together; the others one at a time, checking the head. Returns None when
+        not even the first step qualifies (the caller steps normally); a step that turns
+        out to admit a waiting group is left planned in the scheduler for that normal step.
         """
         scheduler = self.scheduler
         pairs = scheduler.decode_batch()
@@ -440,11 +501,10 @@ class PagedEngine:
         eos_rows = np.asarray(check_eos) if any(check_eos) else None
         kv = self.kv
         run = kv.decode_run([seq.seq_id for _, seq in pairs])
-        request_ids = [group.request_id for group, _ in pairs]
-        covered: list[CoveredStep] = []
-        events: list[TokenEvent] = []
+        log = _RunLog(self, [group.request_id for group, _ in pairs], samples, context)
         start_s = now_s  # summed one step at a time, as the clock does
         offset = 0
+        quiet = 0  # steps ahead known not to admit anything (reserved together)
         window = FIRST_DECODE_WINDOW
         ended = False
         while not ended and offset < max_steps:
@@ -462,11 +522,36 @@ class PagedEngine:
                 if eos_hits.any():
                     limit = int(eos_hits.argmax())
                     ended = True
-            token_lists = tokens[:, :limit].T.tolist()  # [step][seq]
-            for step_tokens, duration_s in zip(token_lists, durations):
+            step_lists = tokens[:, :limit].T.tolist()  # [step][seq]
+            index = 0
+            while index < limit:
                 if start_s >= next_arrival_s:
                     ended = True  # the arrival is submitted before this step
                     break
+                if quiet:
+                    # Steps the head surely cannot join (see Scheduler.quiet_decode_steps):
+                    # reserve them together, up to the arrival.
+                    num = 1
+                    end_s = start_s + durations[index]
+                    cap = min(quiet, limit - index)
+                    while num < cap and end_s < next_arrival_s:
+                        end_s += durations[index + num]
+                        num += 1
+                    counters = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+                    reserved = run.advance_many(num)
+                    scheduler.complete_decodes_many(pairs, tokens[:, index : index + num].tolist())
+                    for k, (usage, num_reused) in enumerate(reserved):
+                        after = (counters[0], counters[1], counters[2] + num_reused)
+                        log.add(
+                            step_lists[index + k], durations[index + k], offset + k, counters, after, usage
+                        )
+                        counters = after
+                    quiet -= num
+                    index += num
+                    offset += num
+                    start_s = end_s
+                    continue
+                step_tokens, duration_s = step_lists[index], durations[index]
                 if run.num_new_blocks() > kv.num_allocatable_blocks:
                     ended = True  # a preemption: a normal step
                     break
@@ -477,30 +562,14 @@ class PagedEngine:
                     self._prepared_counters = counters0
                     ended = True
                     break
+                quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
                 scheduler.complete_decodes(pairs, step_tokens)
-                # tuple.__new__ builds the NamedTuples in C (their generated __new__ is Python).
-                events.extend(
-                    map(
-                        tuple.__new__,
-                        repeat(TokenEvent),
-                        zip(request_ids, samples, step_tokens, repeat(offset)),
-                    )
-                )
-                # Each step decodes one more token per sequence than the last.
-                shape = StepShape(
-                    num_decode_seqs=num_seqs, num_decode_context_tokens=context + offset * num_seqs
-                )
-                covered.append(
-                    CoveredStep(
-                        duration_s,
-                        self._stats(counters0, num_prefill_tokens=0, num_decode_tokens=num_seqs, shape=shape),
-                    )
-                )
-                executor.num_steps += 1
-                executor.total_modeled_s += duration_s
-                start_s += duration_s
+                log.add(step_tokens, duration_s, offset, counters0)
+                index += 1
                 offset += 1
+                start_s += duration_s
         scheduler.finish_decodes(pairs)
+        covered, events = log.covered, log.events
         if not covered:
             return None
         return StepOutput(

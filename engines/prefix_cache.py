@@ -21,7 +21,7 @@ Who holds what (the manager and the index share one ``BlockPool``):
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -66,6 +66,14 @@ class PrefixIndex(Protocol):
         nothing otherwise). False for token-granular indexes."""
         ...
 
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether the index takes pool references itself (``commit`` and ``evict`` move
+        them; radix locks). False when its cache lives in the pool's free list, so that
+        commits never touch references or the free list: a simulated decode run may then
+        reserve several steps' blocks before committing them (``DecodeRun.advance_many``)."""
+        ...
+
     def bind(self, pool: BlockPool, block_size: int) -> None:
         """Attach to the manager's pool (once). Mutates: the index, the pool's reuse listener."""
         ...
@@ -73,6 +81,17 @@ class PrefixIndex(Protocol):
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
         """Longest cached prefix of ``token_ids``, at most ``len(token_ids) - 1`` tokens so the
         last prompt token is always computed. Mutates nothing (not even LRU order)."""
+        ...
+
+    def match_watch(
+        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
+    ) -> Container[int] | None:
+        """What could change ``match(token_ids, extra_key)`` while only the sequences
+        ``seq_ids`` grow and commit (decode) and the pool only allocates (no frees, no
+        other acquire): the blocks whose reuse would drop part of the match. None when the
+        sequences' next registrations could lengthen the match, or the index cannot tell;
+        callers then re-match every step. The container is valid until the next call to
+        ``match``. Mutates nothing but the match memo (as ``match``)."""
         ...
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
@@ -122,6 +141,7 @@ class NullPrefixIndex:
     """Prefix caching off: nothing matches, nothing is kept, freed blocks are plain free."""
 
     registers_full_blocks_only = True  # registers nothing at all
+    holds_blocks = False
 
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
@@ -133,6 +153,11 @@ class NullPrefixIndex:
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
         return NO_MATCH
+
+    def match_watch(
+        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
+    ) -> Container[int] | None:
+        return ()  # nothing ever matches
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
         return None
@@ -195,7 +220,7 @@ class BlockKeyChain:
         "match_owner",
         "match_blocks",
         "match_epochs",
-        "match_block_set",
+        "match_block_index",
         "match_num_taken",
         "match_ref_version",
         "match_num_drops",
@@ -209,7 +234,10 @@ class BlockKeyChain:
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
         self.match_epochs: tuple[int, ...] = ()  # each block's registration epoch then
-        self.match_block_set: frozenset[int] | None = None  # match_blocks as a set (lazy)
+        # match_blocks' positions by block id (built lazily, trimmed on truncation), so a
+        # drop is placed in O(1): decode steps evict a waiting head's cached prefix one
+        # block at a time from its tail (tables are freed tail first).
+        self.match_block_index: dict[int, int] | None = None
         self.match_num_taken = 0  # unreferenced blocks among match_blocks then
         self.match_ref_version = -1  # the pool's ref_version then
         self.match_num_drops = 0  # the index's cumulative dropped registrations then
@@ -333,6 +361,7 @@ class BlockHashPrefixIndex:
     """
 
     registers_full_blocks_only = True
+    holds_blocks = False  # cached blocks wait in the pool's free list
 
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
@@ -369,9 +398,10 @@ class BlockHashPrefixIndex:
 
         - memoised blocks stay registered under the same keys unless one was dropped
           (registrations are only dropped when the pool reuses a block). Drops since the
-          memo are read from a short log (O(drops), usually none); when the log no longer
-          reaches back that far, each block's registration epoch is compared (O(blocks),
-          C-level).
+          memo are read from a short log and placed through a block -> position dict
+          (O(drops), usually none); the memo is cut at the first dropped position. When
+          the log no longer reaches back that far, each block's registration epoch is
+          compared (O(blocks), C-level).
         - the count of unreferenced matched blocks stays valid while the pool's
           ``ref_version`` is unchanged and no matched block was dropped.
         - only the walk past the memo is Python work: O(new blocks).
@@ -387,22 +417,28 @@ class BlockHashPrefixIndex:
         if chain.match_owner is self:
             blocks, epochs = chain.match_blocks, chain.match_epochs
             num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else None
-            if len(blocks) > num_full:
-                blocks, epochs, num_taken = blocks[:num_full], epochs[:num_full], None
-            if blocks and self._num_drops != chain.match_num_drops:
+            valid = min(len(blocks), num_full)
+            if valid and self._num_drops != chain.match_num_drops:
                 first_logged = chain.match_num_drops - self._drop_log_start
                 if first_logged < 0:
-                    maybe_dropped = True  # the log no longer reaches back: compare epochs
-                else:
-                    if chain.match_block_set is None:
-                        chain.match_block_set = frozenset(blocks)
-                    maybe_dropped = not chain.match_block_set.isdisjoint(self._drop_log[first_logged:])
-                if maybe_dropped:
+                    # The log no longer reaches back: compare registration epochs.
                     now = gather(epoch, blocks)
                     if now != epochs:
                         # The first block whose registration changed, found in C.
-                        valid = list(map(operator.eq, now, epochs)).index(False)
-                        blocks, epochs, num_taken = blocks[:valid], epochs[:valid], None
+                        valid = min(valid, list(map(operator.eq, now, epochs)).index(False))
+                else:
+                    index = chain.match_block_index
+                    if index is None:
+                        index = chain.match_block_index = dict(zip(blocks, range(len(blocks))))
+                    hits = list(filter(index.__contains__, self._drop_log[first_logged:]))
+                    if hits:
+                        valid = min(valid, *map(index.__getitem__, hits))
+            if valid < len(blocks):
+                index = chain.match_block_index
+                if index is not None:
+                    for block in blocks[valid:]:
+                        del index[block]
+                blocks, epochs, num_taken = blocks[:valid], epochs[:valid], None
         lookup, block_key = self._hash_to_block, self._block_key
         found: list[int] = []
         if len(blocks) < num_full:
@@ -421,9 +457,12 @@ class BlockHashPrefixIndex:
             epochs = epochs + gather(epoch, tuple(found))
         if num_taken is None:
             num_taken = pool.num_unreferenced(blocks)  # cached-free blocks revived from the free list
-        if found or chain.match_owner is not self or blocks is not chain.match_blocks:
-            chain.match_owner, chain.match_blocks, chain.match_epochs = self, blocks, epochs
-            chain.match_block_set = None
+        if chain.match_owner is not self:
+            chain.match_block_index = None
+        elif found and chain.match_block_index is not None:
+            start = len(blocks) - len(found)
+            chain.match_block_index.update(zip(found, range(start, len(blocks))))
+        chain.match_owner, chain.match_blocks, chain.match_epochs = self, blocks, epochs
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
         chain.match_num_drops = self._num_drops
@@ -431,6 +470,40 @@ class BlockHashPrefixIndex:
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
             return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyedTokenIds) else NO_MATCH
         return PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
+
+    def match_watch(
+        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
+    ) -> Container[int] | None:
+        """See ``PrefixIndex.match_watch``: the matched blocks (the memo's position index).
+
+        With no frees, a match changes only if the pool reuses one of its blocks or a new
+        registration supplies the key at its frontier ``k`` (the first block that missed).
+        A sequence registers blocks from its own frontier ``f`` on, each key hanging off
+        the previous one, so it can only ever supply key ``k`` when its chain so far
+        equals ``token_ids``' first ``f`` blocks and ``f <= k``: then None (it cannot be
+        ruled out; in simulation it needs another request's stand-in outputs in a prompt).
+        """
+        match = self.match(token_ids, extra_key)
+        num_matched = len(match.block_ids)
+        chain = self._chain(token_ids, extra_key)  # the memo's chain (KeyedTokenIds) or a new one
+        if num_matched < max(len(token_ids) - 1, 0) // self._block_size:  # the match may grow
+            chain.extend(token_ids, num_matched)  # no-op for the memo's chain
+            hashes = chain.hashes
+            for seq_id in seq_ids:
+                state = self._seq(seq_id)
+                frontier = state.num_blocks
+                if frontier <= num_matched and (
+                    frontier == 0
+                    or state.chain is None
+                    or state.chain.hashes[frontier - 1] == hashes[frontier - 1]
+                ):
+                    return None
+        if chain.match_owner is not self or chain.match_blocks is not match.block_ids:
+            return frozenset(match.block_ids)
+        index = chain.match_block_index
+        if index is None:
+            index = chain.match_block_index = dict(zip(chain.match_blocks, range(num_matched)))
+        return index.keys()
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
         if seq_id in self._seqs:

@@ -26,7 +26,7 @@ lazy heap; a parent whose last child goes becomes a candidate leaf.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from kvbench.engines.block_pool import BlockPool
 from kvbench.engines.prefix_cache import NO_MATCH, PrefixMatch
@@ -94,6 +94,7 @@ class RadixPrefixIndex:
     """
 
     registers_full_blocks_only = False  # token granular: every commit extends the tree
+    holds_blocks = True  # tree nodes hold (lockable) block references
 
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
@@ -114,6 +115,13 @@ class RadixPrefixIndex:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self._pool = pool
         self._block_size = block_size
+
+    def match_watch(
+        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
+    ) -> Container[int] | None:
+        """See ``PrefixIndex.match_watch``: None (every commit extends the tree, and
+        evictions move references, so any step may change a match)."""
+        return None
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
         pool = self._bound_pool()

@@ -34,7 +34,7 @@ so the same code drives a real executor or a cost model.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
@@ -345,7 +345,9 @@ class Scheduler:
     # it; per step it checks the pool (``DecodeRun.num_new_blocks``), reserves the slots
     # (``append_decodes``) and, after choosing tokens, completes it (``complete_decodes``);
     # ``finish_decodes`` ends the run. Each step leaves exactly the state ``schedule`` +
-    # ``complete_step`` + ``append_token`` would have.
+    # ``complete_step`` + ``append_token`` would have. Steps that cannot admit the head
+    # (``quiet_decode_steps``) go together: ``DecodeRun.advance_many`` then
+    # ``complete_decodes_many``.
 
     def decode_batch(self) -> list[tuple[SequenceGroup, Sequence]] | None:
         """The (group, sequence) pairs of the next step, in chunk order, when that step can
@@ -414,6 +416,54 @@ class Scheduler:
             if computed % interval == 0:  # otherwise the commit would register nothing
                 kv.commit(seq.seq_id, tokens)
             tokens.append(token)
+
+    def quiet_decode_steps(
+        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, max_steps: int
+    ) -> int:
+        """Call right after ``append_decodes`` returned True: how many of the next steps (at
+        most ``max_steps``) surely stay plain decode steps as far as admission goes, and can
+        be reserved together (``DecodeRun.advance_many``). The head's admission check only
+        reads its prefix match and the allocatable blocks; in a run the latter only shrink,
+        so its answer stays False until the match changes: until a step takes one of the
+        matched blocks, or a registration could extend it (``PagedKVManager.match_watch``).
+        Pure apart from the prefix index's match memo."""
+        budget = self.config.max_num_batched_tokens - len(pairs)
+        watch: Container[int] = ()  # nothing can start: no block matters
+        if self.waiting and budget > 0:
+            group = self.waiting[0]
+            if self._num_running_seqs + group.num_samples <= self.config.max_num_seqs:
+                if len(group.seqs) != 1:
+                    return 0
+                found = self.kv.match_watch(
+                    group.seqs[0].token_ids, group.request.cache_salt, [seq.seq_id for _, seq in pairs]
+                )
+                if found is None:
+                    return 0
+                watch = found
+        return run.num_quiet_steps(watch, max_steps)
+
+    def complete_decodes_many(
+        self, pairs: list[tuple[SequenceGroup, Sequence]], token_rows: list[list[int]]
+    ) -> None:
+        """``complete_decodes`` for consecutive steps whose slots ``advance_many`` reserved:
+        ``token_rows[i]`` holds the tokens sampled for ``pairs[i]``, one per step. Commits
+        happen in the order step-by-step completion makes them (step, then pair), so the
+        first of two equal blocks is still the one registered. Mutates the sequences and
+        the prefix index."""
+        kv = self.kv
+        interval = kv.commit_interval
+        commits = []
+        for index, ((_, seq), row) in enumerate(zip(pairs, token_rows)):
+            tokens = seq.token_ids
+            first = len(tokens)
+            for step in range(-first % interval, len(row), interval):
+                commits.append((step, index, first + step))
+            tokens.extend(row)
+            seq.num_computed_tokens = len(tokens) - 1
+        commits.sort()
+        for _, index, num_tokens in commits:
+            seq = pairs[index][1]
+            kv.commit(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens))
 
     def finish_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> None:
         """End a decode run: the peak KV slots of its groups, which only grew during it (no

@@ -466,3 +466,83 @@ def test_decode_run_refuses_siblings_sharing_a_partial_block():
     m.append(1, 1)  # copy-on-write: the siblings now own their partial blocks
     assert m.can_decode_together([0, 1])
     assert not m.can_decode_together([0, 7])  # unknown sequence
+
+
+def _stale_claim_setup(index, num_blocks: int = 16) -> PagedKVManager:
+    """Seqs 0-2 mid-block, seq 0 holding stale claims (a freed fork sibling wrote ahead of
+    it), and cached blocks in the free list for the run to evict."""
+    m = make(index, num_blocks=num_blocks)
+    prefill(m, 9, SYSTEM + [1, 2, 3])
+    m.free(9)
+    prefill(m, 0, [60] * 6)
+    m.fork(0, 7)
+    m.append(7, 1)  # the sibling claims slot 6 of seq 0's partial block in place
+    m.free(7)
+    for seq, length in ((1, 8), (2, 3)):
+        prefill(m, seq, [50 + seq] * length)
+    return m
+
+
+@pytest.mark.parametrize("index_name", ["hash", "none"])
+def test_advance_many_equals_advancing_step_by_step(index_name):
+    """advance_many(k) leaves what k advance() calls leave, and reports each step's usage
+    and evictions as they were after that step."""
+    indexes = {"hash": BlockHashPrefixIndex, "none": NullPrefixIndex}
+    ids = [0, 1, 2]
+    stepped, fast = _stale_claim_setup(indexes[index_name]()), _stale_claim_setup(indexes[index_name]())
+    assert stepped._claimed[stepped.block_table(0)[-1]] > 6 % BS  # the stale claim is there
+    stepped_run, fast_run = stepped.decode_run(ids), fast.decode_run(ids)
+    num_reused_total = 0
+    for num_steps in (1, 3, 5, 2, 7, 7):
+        num_steps = fast_run.num_quiet_steps((), num_steps)  # fewer once the pool runs short
+        reported = fast_run.advance_many(num_steps)
+        assert len(reported) == num_steps
+        for usage, num_reused in reported:
+            evicted = stepped.num_evicted_blocks
+            stepped_run.advance()
+            assert (usage, num_reused) == (stepped.usage(), stepped.num_evicted_blocks - evicted)
+            num_reused_total += num_reused
+        fast.check()
+        assert _decode_state(fast, ids) == _decode_state(stepped, ids)
+    assert fast.pool.num_free < 3  # the steps ran the pool down...
+    if index_name == "hash":
+        assert num_reused_total == 2  # ...through both cached system-prompt blocks
+    # More steps than the free blocks allow are refused, changing nothing.
+    with pytest.raises(KVCapacityError):
+        fast_run.advance_many(fast_run.num_quiet_steps((), 40) + 1)
+    assert _decode_state(fast, ids) == _decode_state(stepped, ids)
+
+
+def test_num_quiet_steps_stops_before_a_watched_block():
+    m = _stale_claim_setup(BlockHashPrefixIndex())
+    run = m.decode_run([0, 1, 2])
+    upcoming = m.pool.peek(6)
+    # Steps take 1, 0, 1, 1, 0, 1, ... blocks here (slot counts 7, 8, 3 with 4-slot blocks).
+    needs = []
+    for step in range(8):
+        needs.append(run._at_boundary[-step % BS])
+    taken_before = [sum(needs[:step]) for step in range(9)]
+    watched = upcoming[3]
+    expect = max(step for step in range(9) if taken_before[step] <= 3)
+    assert run.num_quiet_steps({watched}, 8) == expect
+    assert run.num_quiet_steps(set(), 8) == 8
+    assert m.pool.peek(6) == upcoming  # pure
+
+
+def test_match_watch_names_the_matched_blocks_unless_a_sequence_can_extend_the_match():
+    m = make(num_blocks=16)
+    prefill(m, 0, SYSTEM + [1, 2, 3, 4, 5])  # registers SYSTEM's 2 blocks + [1, 2, 3, 4]
+    m.free(0)
+    head = SYSTEM + [1, 2, 3, 4, 6, 6, 6, 6, 9]  # matches 3 blocks, wants a 4th
+    prefill(m, 1, [70] * 9)  # unrelated content
+    watch = m.match_watch(head, None, [1])
+    assert watch is not None and sorted(watch) == sorted(m.prefix_index.match(head, None).block_ids)
+    # Seq 2 holds the head's first 3 blocks and decodes on from there: its next full
+    # block could be exactly the key the head is missing.
+    prefill(m, 2, SYSTEM + [1, 2, 3, 4, 6])
+    assert m.match_watch(head, None, [1, 2]) is None
+    # A head whose match is already whole cannot be extended by anyone.
+    whole = SYSTEM + [1, 2, 3, 4, 7]
+    assert m.match_watch(whole, None, [1, 2]) is not None
+    assert NullPrefixIndex().match_watch(head, None, [1]) == ()
+    assert RadixPrefixIndex().match_watch(head, None, [1]) is None

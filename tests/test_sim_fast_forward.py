@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbench.engines.kv_manager import DecodeRun
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sim_executor import CostModelExecutor
 from kvbench.runner import RawRun, SimClock, replay
@@ -112,7 +113,16 @@ def test_small_pool_preempts_and_blocks_admission():
 
 
 @pytest.mark.parametrize("prefix_cache", ["block_hash", "radix", "none"])
-def test_mooncake_head_fixture(prefix_cache):
+def test_mooncake_head_fixture(prefix_cache, monkeypatch):
+    # Count the steps runs reserved together (quiet steps: the head could not start).
+    reserved = [0]
+    advance_many = DecodeRun.advance_many
+
+    def counting_advance_many(run, num_steps):
+        reserved[0] += num_steps
+        return advance_many(run, num_steps)
+
+    monkeypatch.setattr(DecodeRun, "advance_many", counting_advance_many)
     workload = load_trace(
         MOONCAKE_HEAD,
         vocab_size=SPEC.vocab_size,
@@ -131,6 +141,8 @@ def test_mooncake_head_fixture(prefix_cache):
         max_num_batched_tokens=256,
         prefix_cache=prefix_cache,
     )
+    # Radix commits move block references, so its runs go one step at a time.
+    assert (reserved[0] > 0) == (prefix_cache != "radix")
 
 
 def test_parallel_samples_swap_preemption_and_closed_loop():
