@@ -63,6 +63,10 @@ class Executor(Protocol):
         """Apply ``output.kv_ops`` in order, run ``output.chunks``; see the module docstring."""
         ...
 
+    # Optional attribute ``reads_chunk_contents: bool`` (default True): False when the
+    # executor reads neither chunk token ids nor block tables (simulation), so the
+    # scheduler need not copy them (``Scheduler(chunk_contents=...)``).
+
     def describe(self) -> dict[str, Any]: ...
 
 

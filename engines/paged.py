@@ -285,7 +285,6 @@ class PagedEngine:
         self.kv = kv_manager or PagedKVManager(
             num_blocks, block_size, self.bytes_per_token, PREFIX_INDEXES[prefix_cache](), num_host_blocks
         )
-        self.scheduler = Scheduler(self.kv, config, spec.eos_token_id)
         if executor is None:
             if ctx.model is None:
                 raise ValueError(
@@ -302,6 +301,9 @@ class PagedEngine:
                 decode_backend=decode_backend,
             )
         self.executor = executor
+        self.scheduler = Scheduler(
+            self.kv, config, spec.eos_token_id, chunk_contents=getattr(executor, "reads_chunk_contents", True)
+        )
         self.sampler = Sampler(ctx.seed)
         self.config = config
         self._is_cuda = torch.device(ctx.device).type == "cuda"

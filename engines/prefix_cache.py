@@ -306,34 +306,51 @@ class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
         return chain
 
 
-class TokenPrefix(Sequence[int]):
-    """The first ``num_tokens`` ids of a token list, without copying them (read-only view).
+class TokenSpan(Sequence[int]):
+    """Ids ``[start, stop)`` of a token list, without copying them (read-only view).
+
+    The list must not change there (sequences only append). Indexing and slicing stay
+    within the span; a slice is a new list.
+    """
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: Sequence[int], start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= len(tokens):
+            raise ValueError(f"{type(self).__name__}: ids [{start}, {stop}) asked of {len(tokens)}")
+        self._tokens = tokens
+        self._start = start
+        self._stop = stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):  # type: ignore[override]  # int -> int, slice -> list
+        size = self._stop - self._start
+        if isinstance(index, slice):
+            start, stop, step = index.indices(size)
+            if step == 1:
+                return self._tokens[self._start + start : self._start + max(start, stop)]
+            return [self._tokens[self._start + i] for i in range(start, stop, step)]
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError(f"{type(self).__name__} index {index} out of range({size})")
+        return self._tokens[self._start + index]
+
+
+class TokenPrefix(TokenSpan):
+    """The first ``num_tokens`` ids of a token list (a ``TokenSpan`` from 0).
 
     The scheduler commits a prefilling sequence's computed prefix every step; slicing
     a 100K-token prompt for that copied O(prompt) per step, O(prompt^2 / chunk) per
-    request. Indexing and slicing stay within the prefix; the list must not shrink.
+    request.
     """
 
-    __slots__ = ("_tokens", "_num_tokens")
+    __slots__ = ()
 
     def __init__(self, tokens: Sequence[int], num_tokens: int) -> None:
-        if not 0 <= num_tokens <= len(tokens):
-            raise ValueError(f"TokenPrefix: {num_tokens} tokens asked of {len(tokens)}")
-        self._tokens = tokens
-        self._num_tokens = num_tokens
-
-    def __len__(self) -> int:
-        return self._num_tokens
-
-    def __getitem__(self, index):  # type: ignore[override]  # int -> int, slice -> list
-        if isinstance(index, slice):
-            start, stop, step = index.indices(self._num_tokens)
-            return self._tokens[start:stop:step]
-        if index < 0:
-            index += self._num_tokens
-        if not 0 <= index < self._num_tokens:
-            raise IndexError(f"TokenPrefix index {index} out of range({self._num_tokens})")
-        return self._tokens[index]
+        super().__init__(tokens, 0, num_tokens)
 
 
 class _SeqHashState:

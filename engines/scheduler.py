@@ -41,7 +41,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbench.engines.kv_manager import NO_OPS
-from kvbench.engines.prefix_cache import TokenPrefix
+from kvbench.engines.prefix_cache import TokenPrefix, TokenSpan
 from kvbench.engines.sequence import GroupStatus, Sequence, SequenceGroup
 from kvbench.sim.cost_model import StepShape
 from kvbench.types import FinishedRequest, RejectedRequest, Request
@@ -111,8 +111,9 @@ class ScheduledChunk(NamedTuple):
 
     ``token_ids`` sit at positions ``[start_pos, start_pos + len(token_ids))``; their K/V
     go to the slots given by ``block_table`` (physical block ids in logical order, valid
-    after this step's ``kv_ops``; a copy owned by the chunk). ``sample`` asks for logits of
-    the last token. A NamedTuple rather than a frozen dataclass: one is built per running
+    after this step's ``kv_ops``; a copy owned by the chunk). With
+    ``Scheduler(chunk_contents=False)`` (an executor that reads neither) the ids are a
+    read-only view and the table is empty. ``sample`` asks for logits of the last token. A NamedTuple rather than a frozen dataclass: one is built per running
     sequence per step, and the frozen dataclass constructor alone cost ~0.7 us of the
     5 us per-sequence budget (NamedTuple: ~0.25 us); it is just as immutable.
     """
@@ -192,11 +193,17 @@ class Scheduler:
     running) raises ``KeyError`` naming the sequence.
     """
 
-    def __init__(self, kv: PagedKVManager, config: SchedulerConfig, eos_token_id: int) -> None:
+    def __init__(
+        self, kv: PagedKVManager, config: SchedulerConfig, eos_token_id: int, *, chunk_contents: bool = True
+    ) -> None:
         config.validate()
         self.kv = kv
         self.config = config
         self.eos_token_id = eos_token_id
+        # Whether chunks carry their own copies of token ids and block tables. An executor
+        # that only prices steps (simulation) reads neither: chunks then hold a view of
+        # the ids and no table, which saved copying every prompt twice on long traces.
+        self.chunk_contents = chunk_contents
         self.policy = VICTIM_POLICIES[config.victim_policy]()
         self.block_size = kv.block_size
         self.waiting: list[SequenceGroup] = []  # sorted by policy key
@@ -722,14 +729,16 @@ class Scheduler:
                 lost = min(end, seq.num_lost_tokens) - start
                 num_recomputed += lost
                 piece.group.num_recomputed_tokens += lost
-            # A list slice is the chunk's own copy already (tuple() of it copied a prefill
-            # chunk's 8K ids twice).
-            token_ids = [seq.token_ids[start]] if num_tokens == 1 else seq.token_ids[start:end]
-            chunks.append(
-                ScheduledChunk(
-                    seq.seq_id, token_ids, start, kv.block_table(seq.seq_id), end == seq_len, is_decode
-                )
-            )
+            if num_tokens == 1:
+                token_ids: SequenceOf[int] = [seq.token_ids[start]]
+            elif self.chunk_contents:
+                # A list slice is the chunk's own copy already (tuple() of it copied a
+                # prefill chunk's 8K ids twice).
+                token_ids = seq.token_ids[start:end]
+            else:
+                token_ids = TokenSpan(seq.token_ids, start, end)
+            table = kv.block_table(seq.seq_id) if self.chunk_contents else ()
+            chunks.append(ScheduledChunk(seq.seq_id, token_ids, start, table, end == seq_len, is_decode))
             group = piece.group
             if len(group.seqs) == 1:
                 # One sequence: it holds exactly the slots up to this chunk's end.

@@ -41,6 +41,10 @@ class CostModelExecutor:
     raises for a well-formed ``SchedulerOutput``.
     """
 
+    # Prices steps from their shapes: chunk token ids and block tables go unread
+    # (``Scheduler(chunk_contents=False)``).
+    reads_chunk_contents = False
+
     def __init__(self, cost_model: CostModel, *, block_size: int) -> None:
         if block_size <= 0:
             raise ValueError(f"engine.block_size: must be > 0, got {block_size}")

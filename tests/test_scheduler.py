@@ -340,19 +340,29 @@ def test_kv_manager_and_factory_together_are_refused():
         make_engine(block_size=4, num_blocks=8, kv_manager=kv, kv_manager_factory=lambda *a: kv)
 
 
-def _drive_prompts(prompts: list) -> tuple[list[tuple], list[list[str]]]:
+def _drive_prompts(prompts: list, chunk_contents: bool = True) -> tuple[list[tuple], list[list[str]]]:
     """Run prompts to completion on a bare scheduler (one sequence at a time, stand-in
-    token 7); returns every step's chunks and the token-id types of waiting groups."""
+    token 7); returns every step's chunks (ids, start, sample, block table) and the
+    token-id types of waiting groups."""
     from kvbench.engines.prefix_cache import BlockHashPrefixIndex
 
     kv = PagedKVManager(32, 4, 16, BlockHashPrefixIndex())
-    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=6), eos_token_id=2)
+    sched = Scheduler(
+        kv,
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=6),
+        eos_token_id=2,
+        chunk_contents=chunk_contents,
+    )
     for i, prompt in enumerate(prompts):
         sched.add(Request(f"r{i}", 0.0, prompt, 3, ignore_eos=True))
     steps, waiting_types = [], []
     while sched.has_unfinished():
         out = sched.schedule()
-        steps.append(tuple((c.seq_id, c.token_ids, c.start_pos, c.sample) for c in out.chunks))
+        steps.append(
+            tuple(
+                (c.seq_id, list(c.token_ids), c.start_pos, c.sample, tuple(c.block_table)) for c in out.chunks
+            )
+        )
         waiting_types.append([type(g.seqs[0].token_ids).__name__ for g in sched.waiting])
         for group, seq in sched.complete_step():
             sched.append_token(group, seq, 7)
@@ -376,3 +386,16 @@ def test_numpy_prompts_stay_arrays_until_admitted_and_schedule_like_tuples():
     # A waiting head is materialized when admission looks at it, the rest never earlier.
     assert waiting_np[0] == ["ndarray", "ndarray"]
     assert all(types[1:] == ["ndarray"] * (len(types) - 1) for types in waiting_np)
+
+
+def test_chunks_without_contents_schedule_the_same_tokens_without_tables():
+    # A pricing-only executor (simulation) reads neither ids nor tables: chunks then
+    # carry a view of the same ids and an empty table; the plan is otherwise the same.
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [30, 31, 32]]
+    with_contents, _ = _drive_prompts(prompts)
+    without, _ = _drive_prompts(prompts, chunk_contents=False)
+    assert [[chunk[:4] for chunk in step] for step in without] == [
+        [chunk[:4] for chunk in step] for step in with_contents
+    ]
+    assert all(chunk[4] == () for step in without for chunk in step)
+    assert any(len(chunk[4]) > 1 for step in with_contents for chunk in step)
