@@ -27,6 +27,8 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvbench.engines.block_pool import BlockPool
 from kvbench.engines.prefix_cache import PrefixIndex
 from kvbench.types import KVUsage
@@ -434,29 +436,45 @@ class PagedKVManager(SeqTable):
     # ------------------------------------------------------------------ usage / check
     def usage(self) -> KVUsage:
         """Memory now, in bytes of the device pool (cached = held only by the prefix cache)."""
-        return self._usage(
-            self._num_blocks_in_use, self._num_token_slots, self.pool.num_free - self.pool.num_cached_free
-        )
+        return self._usage(*self.usage_counts())
+
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(blocks in use, claimed token slots, free blocks holding no cached KV) now: the
+        counts ``usage`` derives its variable figures from. Pure."""
+        return self._num_blocks_in_use, self._num_token_slots, self.pool.num_free - self.pool.num_cached_free
+
+    def usage_columns(self, counts: Sequence[tuple[int, int, int]]) -> dict[str, list[int]]:
+        """The KVUsage fields that ``usage_counts`` determine, one value per entry of
+        ``counts`` (several steps at once), keyed ``kv.<field>``. Pure."""
+        in_use, token_slots, free = (np.array(column, dtype=np.int64) for column in zip(*counts))
+        fields = self._count_fields(in_use, token_slots, free)
+        return {f"kv.{name}": values.tolist() for name, values in fields.items()}
 
     def _usage(self, in_use: int, token_slots: int, free: int) -> KVUsage:
-        """KVUsage for these device counts (blocks in use, claimed slots, free uncached
-        blocks) and the host pool now. Pure."""
+        """KVUsage for these ``usage_counts`` and the host pool now. Pure."""
+        per_block = self.bytes_per_block
+        return KVUsage(
+            capacity_bytes=self.num_blocks * per_block,
+            host_bytes=(self.num_host_blocks - self.host_pool.num_free) * per_block,
+            num_blocks_total=self.num_blocks,
+            **self._count_fields(in_use, token_slots, free),
+        )
+
+    def _count_fields(self, in_use: Any, token_slots: Any, free: Any) -> dict[str, Any]:
+        """KVUsage's count-dependent fields: ints, or int64 arrays (one per step). Pure."""
         per_block = self.bytes_per_block
         cached = self.num_blocks - free - in_use
         allocated = in_use * per_block
         token_bytes = token_slots * self.bytes_per_token
-        return KVUsage(
-            capacity_bytes=self.num_blocks * per_block,
-            allocated_bytes=allocated,
-            token_bytes=token_bytes,
-            internal_frag_bytes=allocated - token_bytes,
-            cached_bytes=cached * per_block,
-            host_bytes=(self.num_host_blocks - self.host_pool.num_free) * per_block,
-            num_blocks_total=self.num_blocks,
-            num_blocks_in_use=in_use,
-            num_blocks_cached_free=cached,
-            num_blocks_free=free,
-        )
+        return {
+            "allocated_bytes": allocated,
+            "token_bytes": token_bytes,
+            "internal_frag_bytes": allocated - token_bytes,
+            "cached_bytes": cached * per_block,
+            "num_blocks_in_use": in_use,
+            "num_blocks_cached_free": cached,
+            "num_blocks_free": free,
+        }
 
     def check(self) -> None:
         """Raise AssertionError naming the first broken invariant. O(blocks + table entries)."""
@@ -710,11 +728,11 @@ class DecodeRun:
             steps += 1
         return steps
 
-    def advance_many(self, num_steps: int) -> list[tuple[KVUsage, int]]:
+    def advance_many(self, num_steps: int) -> list[tuple[int, int, int, int]]:
         """``advance`` ``num_steps`` times with nothing in between: the same blocks (taken
         step by step in sequence order), claims, counters and reuse-listener drops, in one
-        pass. Returns, per step, the usage after it and how many cached blocks it reused
-        (evictions). Only for an index that holds no blocks and when the steps' blocks are
+        pass. Returns, per step, the manager's ``usage_counts`` after it and how many
+        cached blocks it reused (evictions). Only for an index that holds no blocks and when the steps' blocks are
         free (``num_quiet_steps``); raises KVCapacityError otherwise, changing nothing.
         Mutates the manager (claims, block tables, the pool, the index via the listener)."""
         kv = self._kv
@@ -766,5 +784,5 @@ class DecodeRun:
             cursor += need
             in_use += need
             free -= need - num_reused
-            out.append((kv._usage(in_use, token_slots + (t + 1) * num_seqs + stale, free), num_reused))
+            out.append((in_use, token_slots + (t + 1) * num_seqs + stale, free, num_reused))
         return out

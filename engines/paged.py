@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,7 @@ from kvbench.engines.sim_executor import CostModelExecutor, sim_setup
 from kvbench.hashing import GOLDEN64, MASK64, mix64
 from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
-from kvbench.types import CoveredStep, EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
+from kvbench.types import CoveredSteps, EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
 
 PREFIX_INDEXES = {
     "block_hash": BlockHashPrefixIndex,
@@ -121,57 +120,95 @@ def rank_beam_candidates(
 
 
 class _RunLog:
-    """A decode run's covered steps and token events, as single steps would report them."""
+    """A decode run's covered steps as they go: durations, KV counts, evictions, tokens."""
 
-    __slots__ = ("engine", "request_ids", "samples", "context", "covered", "events")
+    __slots__ = (
+        "engine",
+        "request_ids",
+        "samples",
+        "context",
+        "queues",
+        "durations_s",
+        "counts",
+        "evicted",
+        "token_rows",
+    )
 
     def __init__(self, engine: PagedEngine, request_ids: list[str], samples: list[int], context: int) -> None:
         self.engine = engine
         self.request_ids = request_ids  # per sequence of the run, in batch order
         self.samples = samples
         self.context = context  # KV tokens the batch reads in the run's first step
-        self.covered: list[CoveredStep] = []
-        self.events: list[TokenEvent] = []
+        # Waiting and swapped groups, unchanged by the run's steps (a step that admits a
+        # group is left to the next normal step, which pops it from the queue).
+        scheduler = engine.scheduler
+        self.queues = (len(scheduler.waiting), len(scheduler.swapped))
+        self.durations_s: list[float] = []
+        self.counts: list[tuple[int, int, int]] = []  # the KV manager's usage_counts after each step
+        self.evicted: list[int] = []  # cached blocks each step reused
+        self.token_rows: list[list[int]] = [[] for _ in request_ids]  # [seq][step]
 
     def add(
-        self,
-        step_tokens: list[int],
-        duration_s: float,
-        offset: int,
-        counters0: tuple[int, int, int],
-        counters1: tuple[int, int, int] | None = None,
-        usage: KVUsage | None = None,
+        self, step_tokens: list[int], duration_s: float, counts: tuple[int, int, int], evicted: int
     ) -> None:
-        """Record run step ``offset`` (its tokens, one per sequence): events, stats (see
-        ``PagedEngine._stats``; default usage and counters: now) and the executor's step
-        counters. Mutates the log and the executor."""
-        num_seqs = len(self.request_ids)
-        # tuple.__new__ builds the NamedTuples in C (their generated __new__ is Python).
-        self.events.extend(
-            map(
-                tuple.__new__,
-                repeat(TokenEvent),
-                zip(self.request_ids, self.samples, step_tokens, repeat(offset)),
-            )
-        )
-        # Each step decodes one more token per sequence than the last.
-        shape = StepShape(
-            num_decode_seqs=num_seqs, num_decode_context_tokens=self.context + offset * num_seqs
-        )
+        """Record one step: a token per sequence, its time, KV counts and evictions."""
+        self.durations_s.append(duration_s)
+        self.counts.append(counts)
+        self.evicted.append(evicted)
+        for row, token in zip(self.token_rows, step_tokens):
+            row.append(token)
+
+    def add_many(
+        self, token_rows: list[list[int]], durations_s: list[float], reserved: list[tuple[int, int, int, int]]
+    ) -> None:
+        """Record steps taken together: ``token_rows[seq][step]`` and ``DecodeRun.advance_many``'s
+        per-step counts."""
+        self.durations_s.extend(durations_s)
+        for in_use, token_slots, free, evicted in reserved:
+            self.counts.append((in_use, token_slots, free))
+            self.evicted.append(evicted)
+        for row, new in zip(self.token_rows, token_rows):
+            row.extend(new)
+
+    def covered_steps(self) -> CoveredSteps | None:
+        """The run as ``StepOutput.covered_steps`` (None when no step was taken); adds the
+        steps to the executor's counters. The template is the last step's stats."""
+        num_steps = len(self.durations_s)
+        if not num_steps:
+            return None
         engine = self.engine
-        stats = engine._stats(
+        kv = engine.kv
+        num_seqs = len(self.request_ids)
+        last = num_steps - 1
+        # Each step decodes one more token per sequence than the last.
+        contexts = range(self.context, self.context + num_steps * num_seqs, num_seqs)
+        counters0 = (0, 0, 0)
+        template = engine._stats(
             counters0,
-            counters1,
+            (0, 0, self.evicted[last]),
             num_prefill_tokens=0,
             num_decode_tokens=num_seqs,
-            shape=shape,
-            usage=usage,
+            shape=StepShape(num_decode_seqs=num_seqs, num_decode_context_tokens=contexts[last]),
+            usage=kv._usage(*self.counts[last]),
             num_running=num_seqs,
+            queues=self.queues,
         )
-        self.covered.append(CoveredStep(duration_s, stats))
+        columns: dict[str, SequenceOf[Any]] = dict(kv.usage_columns(self.counts))
+        columns["num_evicted_blocks"] = self.evicted
+        columns["num_decode_context_tokens"] = contexts
         executor = engine.executor
-        executor.num_steps += 1
-        executor.total_modeled_s += duration_s
+        assert isinstance(executor, CostModelExecutor)
+        executor.num_steps += num_steps
+        for duration_s in self.durations_s:  # one at a time: the same float sums as single steps
+            executor.total_modeled_s += duration_s
+        return CoveredSteps(
+            durations_s=tuple(self.durations_s),
+            template=template,
+            columns=columns,
+            request_ids=tuple(self.request_ids),
+            sample_indexes=tuple(self.samples),
+            token_ids=tuple(map(tuple, self.token_rows)),
+        )
 
 
 class PagedEngine:
@@ -423,10 +460,12 @@ class PagedEngine:
         bytes_from_host: int = 0,
         usage: KVUsage | None = None,
         num_running: int | None = None,
+        queues: tuple[int, int] | None = None,
     ) -> StepStats:
         """The step's StepStats; ``counters0`` are the KV manager's (prefix queries, hits,
-        evictions) before it and ``counters1`` after it (default: now); ``usage`` and
-        ``num_running`` as executed (default: now). Pure."""
+        evictions) before it and ``counters1`` after it (default: now); ``usage``,
+        ``num_running`` and ``queues`` (waiting, swapped groups) as executed (default:
+        now). Pure."""
         kv = self.kv
         scheduler = self.scheduler
         queries0, hits0, evicted0 = counters0
@@ -435,14 +474,17 @@ class PagedEngine:
         queries1, hits1, evicted1 = counters1
         if num_running is None:
             num_running = sum(len(group.seqs) for group in scheduler.running)
+        num_waiting, num_swapped = (
+            queues if queues is not None else (len(scheduler.waiting), len(scheduler.swapped))
+        )
         return StepStats(
             num_running=num_running,
-            num_waiting=len(scheduler.waiting),
+            num_waiting=num_waiting,
             num_scheduled_tokens=num_prefill_tokens + num_decode_tokens,
             num_prefill_tokens=num_prefill_tokens,
             num_decode_tokens=num_decode_tokens,
             kv=usage if usage is not None else kv.usage(),
-            num_swapped=len(scheduler.swapped),
+            num_swapped=num_swapped,
             num_preemptions=num_preemptions,
             num_recomputed_tokens=num_recomputed_tokens,
             num_prefix_query_tokens=queries1 - queries0,
@@ -539,15 +581,10 @@ class PagedEngine:
                     while num < cap and end_s < next_arrival_s:
                         end_s += durations[index + num]
                         num += 1
-                    counters = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
                     reserved = run.advance_many(num)
-                    scheduler.complete_decodes_many(pairs, tokens[:, index : index + num].tolist())
-                    for k, (usage, num_reused) in enumerate(reserved):
-                        after = (counters[0], counters[1], counters[2] + num_reused)
-                        log.add(
-                            step_lists[index + k], durations[index + k], offset + k, counters, after, usage
-                        )
-                        counters = after
+                    token_rows = tokens[:, index : index + num].tolist()
+                    scheduler.complete_decodes_many(pairs, token_rows)
+                    log.add_many(token_rows, durations[index : index + num], reserved)
                     quiet -= num
                     index += num
                     offset += num
@@ -558,6 +595,7 @@ class PagedEngine:
                     ended = True  # a preemption: a normal step
                     break
                 counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+                evicted0 = kv.num_evicted_blocks
                 if not scheduler.append_decodes(pairs, run):
                     # A waiting group starts in this step: the scheduler keeps its plan for
                     # the next normal step, whose stats count from here.
@@ -566,22 +604,22 @@ class PagedEngine:
                     break
                 quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
                 scheduler.complete_decodes(pairs, step_tokens)
-                log.add(step_tokens, duration_s, offset, counters0)
+                log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - evicted0)
                 index += 1
                 offset += 1
                 start_s += duration_s
         scheduler.finish_decodes(pairs)
-        covered, events = log.covered, log.events
-        if not covered:
+        covered = log.covered_steps()
+        if covered is None:
             return None
         return StepOutput(
-            tokens=tuple(events),
+            tokens=(),
             first_scheduled=(),
             finished=(),
             rejected=(),
-            stats=covered[-1].stats,
-            modeled_duration_s=math.fsum(c.modeled_duration_s for c in covered),
-            covered_steps=tuple(covered),
+            stats=covered.template,
+            modeled_duration_s=math.fsum(covered.durations_s),
+            covered_steps=covered,
         )
 
     # ------------------------------------------------------------------ token selection

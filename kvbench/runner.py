@@ -25,12 +25,13 @@ import typing
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
 
-from kvbench.types import Engine, StepOutput, Workload
+from kvbench.types import CoveredSteps, Engine, StepOutput, Workload
 
 # A step that schedules nothing, emits nothing and retires nothing is "stuck"; this many
 # in a row means the engine cannot make progress and the run fails instead of hanging.
@@ -97,7 +98,7 @@ class WallClock:
             time.sleep(delay)
 
     def step_done(self, output: StepOutput) -> float:
-        if output.covered_steps:
+        if output.covered_steps is not None:
             raise RuntimeError("wall clock: a multi-step output (covered_steps) needs the simulation clock")
         if self._events is not None:
             self._events[1].record()
@@ -123,7 +124,7 @@ class SimClock:
         return float("nan")
 
     def step_done(self, output: StepOutput) -> float:
-        if output.covered_steps:
+        if output.covered_steps is not None:
             # Step by step, as single-step outputs would advance it (same float sums).
             self._t = covered_step_ends(self._t, output)[-1]
             return self._t
@@ -143,8 +144,8 @@ def covered_step_ends(start_s: float, output: StepOutput) -> list[float]:
     """
     ends = []
     t = start_s
-    for covered in output.covered_steps:
-        t += covered.modeled_duration_s
+    for duration_s in output.covered_steps.durations_s if output.covered_steps is not None else ():
+        t += duration_s
         ends.append(t)
     return ends
 
@@ -184,13 +185,15 @@ STEP_COLUMNS = ("step", "start_s", "end_s", "duration_s", "device_time_s")
 
 
 @functools.cache
-def stats_layout(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
-    """The steps-frame columns of a StepStats class and a getter of one row's values.
+def stats_layout(cls: type) -> tuple[tuple[str, ...], tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    """The steps-frame columns of a StepStats class, their attribute paths, and a getter
+    of one row's values.
 
     Fields holding a dataclass (``kv: KVUsage``) are flattened one level, their columns
-    prefixed with the field name (``kv_allocated_bytes``). The getter is one
-    ``operator.attrgetter`` over dotted paths: a C-level read per row, since one row is
-    recorded per simulated step (hundreds of thousands for a recorded trace). Memoised.
+    prefixed with the field name (``kv_allocated_bytes``, path ``kv.allocated_bytes``).
+    The getter is one ``operator.attrgetter`` over the paths: a C-level read per row,
+    since one row is recorded per simulated step (hundreds of thousands for a recorded
+    trace). Memoised.
     """
     columns: list[str] = []
     paths: list[str] = []
@@ -206,8 +209,8 @@ def stats_layout(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any,
             paths.append(f.name)
     getter = operator.attrgetter(*paths)
     if len(paths) == 1:
-        return tuple(columns), lambda stats: (getter(stats),)
-    return tuple(columns), getter
+        return tuple(columns), tuple(paths), lambda stats: (getter(stats),)
+    return tuple(columns), tuple(paths), getter
 
 
 class _Progress:
@@ -265,6 +268,7 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
     engine stops making progress for MAX_IDLE_STEPS consecutive steps.
     """
     pending = deque(sorted(workload.requests, key=lambda r: r.arrival_s))
+    num_steps = 0
     logs: dict[str, _RequestLog] = {}
     outputs: dict[str, tuple[tuple[int, ...], ...]] = {}
     step_rows: list[tuple[tuple[Any, ...], Any]] = []
@@ -299,22 +303,34 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
             start_s = clock.step_begin()
             output = engine.step()
             end_s = clock.step_done(output)
-            if output.covered_steps:
+            covered = output.covered_steps
+            if covered is not None:
                 ends = covered_step_ends(start_s, output)
-                step_start = start_s
-                for covered, step_end in zip(output.covered_steps, ends):
-                    step_rows.append(
-                        (
-                            (len(step_rows), step_start, step_end, step_end - step_start, math.nan),
-                            covered.stats,
-                        )
-                    )
-                    step_start = step_end
+                starts = [start_s, *ends[:-1]]
+                timing = (
+                    range(num_steps, num_steps + len(ends)),
+                    starts,
+                    ends,
+                    list(map(operator.sub, ends, starts)),
+                    repeat(math.nan, len(ends)),
+                )
+                step_rows.append((timing, covered))
+                num_steps += len(ends)
+                # Every batch sequence produced one token in each covered step.
+                for request_id, sample_index in zip(covered.request_ids, covered.sample_indexes):
+                    log = logs[request_id]
+                    log.num_generated_tokens += len(ends)
+                    if log.first_token_s != log.first_token_s:
+                        log.first_token_s = ends[0]
+                    if sample_index == 0:
+                        log.token_times_s.extend(ends)
+                num_tokens += len(ends) * len(covered.request_ids)
             else:
                 ends = [end_s]
                 step_rows.append(
-                    ((len(step_rows), start_s, end_s, end_s - start_s, clock.device_time_s()), output.stats)
+                    ((num_steps, start_s, end_s, end_s - start_s, clock.device_time_s()), output.stats)
                 )
+                num_steps += 1
             for request_id in output.first_scheduled:
                 log = logs[request_id]
                 if log.first_scheduled_s != log.first_scheduled_s:  # NaN: first time
@@ -357,24 +373,55 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
         requests=_requests_frame(logs.values(), outputs),
         steps=_steps_frame(step_rows),
         duration_s=duration_s,
-        num_steps=len(step_rows),
+        num_steps=num_steps,
         outputs=outputs,
     )
 
 
-def _steps_frame(step_rows: list[tuple[tuple[Any, ...], Any]]) -> pd.DataFrame:
+def _steps_frame(step_rows: list[tuple[Any, Any]]) -> pd.DataFrame:
     """One row per step: the runner's timing columns then the stats' flattened fields
-    (``stats_layout``). Rows from different stats classes are aligned by column name."""
+    (``stats_layout``). ``step_rows`` holds single steps, ``(timing row, stats)``, and
+    multi-step outputs, ``(timing columns, CoveredSteps)``. Rows from different stats
+    classes are aligned by column name."""
     frames = []
-    for cls, rows in itertools.groupby(step_rows, key=lambda row: type(row[1])):
-        columns, getter = stats_layout(cls)
-        records = [timing + getter(stats) for timing, stats in rows]
-        # Column by column (zip(*rows) transposes in C): from_records builds an object
-        # array of every cell first, a tenth of a second per 10K steps.
-        frames.append(pd.DataFrame(dict(zip(STEP_COLUMNS + columns, map(np.array, zip(*records))))))
+    for cls, segments in itertools.groupby(step_rows, key=_stats_class):
+        columns, paths, getter = stats_layout(cls)
+        position = {path: index for index, path in enumerate(paths, start=len(STEP_COLUMNS))}
+        cells: list[list[Any]] = [[] for _ in range(len(STEP_COLUMNS) + len(columns))]
+        rows: list[tuple[Any, ...]] = []
+        for timing, stats in segments:
+            if not isinstance(stats, CoveredSteps):
+                rows.append(timing + getter(stats))
+                continue
+            _extend_columns(cells, rows)
+            rows = []
+            # Covered steps: the template's value repeated, but where a column varies.
+            num = len(stats)
+            varying = {position[path]: values for path, values in stats.columns.items()}
+            for index, value in enumerate(timing + getter(stats.template)):
+                if index < len(STEP_COLUMNS):
+                    cells[index].extend(value)
+                else:
+                    cells[index].extend(varying.get(index, repeat(value, num)))
+        _extend_columns(cells, rows)
+        # Column by column: from_records builds an object array of every cell first, a
+        # tenth of a second per 10K steps.
+        frames.append(pd.DataFrame(dict(zip(STEP_COLUMNS + columns, map(np.array, cells)))))
     if not frames:
         return pd.DataFrame()
     return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+
+
+def _stats_class(segment: tuple[Any, Any]) -> type:
+    stats = segment[1]
+    return type(stats.template) if isinstance(stats, CoveredSteps) else type(stats)
+
+
+def _extend_columns(cells: list[list[Any]], rows: list[tuple[Any, ...]]) -> None:
+    """Append ``rows`` (full-width tuples) to the column lists ``cells``, transposed in C."""
+    if rows:
+        for column, values in zip(cells, zip(*rows)):
+            column.extend(values)
 
 
 def _requests_frame(logs: Any, outputs: dict[str, tuple[tuple[int, ...], ...]]) -> pd.DataFrame:

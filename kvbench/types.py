@@ -7,7 +7,7 @@ workloads import these types; the core never imports a specific engine or worklo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -156,7 +156,7 @@ class TokenEvent(NamedTuple):
     """A token produced this step for sample ``sample_index`` of ``request_id``.
 
     ``step_offset`` places it in a multi-step output: the token was produced by covered
-    step ``step_offset`` (0 for single-step outputs; see ``StepOutput.covered_steps``).
+    step ``step_offset`` (0 for single-step outputs; see ``CoveredSteps.tokens``).
     A NamedTuple (immutable like a frozen dataclass, ~3x cheaper to build): simulation
     emits one per generated token, millions for a recorded trace.
     """
@@ -189,11 +189,49 @@ class RejectedRequest:
 
 
 @dataclass(frozen=True)
-class CoveredStep:
-    """One engine step inside a multi-step ``StepOutput``: its modeled duration and stats."""
+class CoveredSteps:
+    """The iterations a multi-step ``StepOutput`` covers, column-wise: a simulated decode
+    run, a fixed batch in which every sequence produces one token per step.
 
-    modeled_duration_s: float
-    stats: StepStats
+    Step ``i`` took ``durations_s[i]`` (modeled). Its stats are ``template`` with each
+    field named in ``columns`` replaced by ``columns[path][i]``; a dotted path names a
+    field of a nested record (``kv.token_bytes``). Its tokens: one per batch sequence,
+    ``token_ids[j][i]`` for sample ``sample_indexes[j]`` of ``request_ids[j]``.
+    Column-wise because one StepStats and one TokenEvent per token cost more than
+    simulating the step (a recorded trace covers hundreds of thousands of steps).
+    """
+
+    durations_s: tuple[float, ...]
+    template: StepStats
+    columns: Mapping[str, Sequence[Any]]
+    request_ids: tuple[str, ...]
+    sample_indexes: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...], ...]  # [batch sequence][step]
+
+    def __len__(self) -> int:
+        return len(self.durations_s)
+
+    def stats(self, index: int) -> StepStats:
+        """Step ``index``'s StepStats (one object; the runner reads the columns instead)."""
+        changes: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {}
+        for path, values in self.columns.items():
+            outer, _, inner = path.partition(".")
+            if inner:
+                nested.setdefault(outer, {})[inner] = values[index]
+            else:
+                changes[outer] = values[index]
+        for outer, inner_changes in nested.items():
+            changes[outer] = replace(getattr(self.template, outer), **inner_changes)
+        return replace(self.template, **changes)
+
+    def tokens(self) -> list[TokenEvent]:
+        """Every token as a TokenEvent, step by step (``step_offset`` = step index)."""
+        return [
+            TokenEvent(request_id, sample, row[step], step)
+            for step in range(len(self))
+            for request_id, sample, row in zip(self.request_ids, self.sample_indexes, self.token_ids)
+        ]
 
 
 @dataclass(frozen=True)
@@ -201,11 +239,11 @@ class StepOutput:
     """What one ``Engine.step`` call did: normally one engine iteration.
 
     Multi-step outputs (simulation fast-forward): a simulated engine may cover several
-    consecutive iterations in one call. Then ``covered_steps`` lists every iteration in
-    order (the runner records one steps row each and times each token at the end of its
-    covered step, ``TokenEvent.step_offset``); ``stats`` is the last covered step's,
-    ``modeled_duration_s`` their sum, ``first_scheduled`` happened in covered step 0 and
-    ``finished``/``rejected`` in the last one. Empty ``covered_steps``: a single step.
+    consecutive decode iterations in one call. Then ``covered_steps`` describes every
+    iteration in order, column-wise, with their tokens (the runner records one steps row
+    each and times each token at the end of its step); ``tokens`` is empty, ``stats`` is
+    the last covered step's, ``modeled_duration_s`` their sum, and nothing is scheduled
+    first, finished or rejected in them. None: a single step.
     """
 
     tokens: tuple[TokenEvent, ...]
@@ -216,12 +254,12 @@ class StepOutput:
     # Simulation mode: the cost model's duration of this step. None for real engines,
     # whose step time the runner reads from the clock.
     modeled_duration_s: float | None = None
-    covered_steps: tuple[CoveredStep, ...] = ()
+    covered_steps: CoveredSteps | None = None
 
     @property
     def num_steps(self) -> int:
         """Engine iterations this output covers (1 unless multi-step)."""
-        return len(self.covered_steps) or 1
+        return len(self.covered_steps) if self.covered_steps is not None else 1
 
 
 @dataclass(frozen=True)

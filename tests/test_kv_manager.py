@@ -486,7 +486,7 @@ def _stale_claim_setup(index, num_blocks: int = 16) -> PagedKVManager:
 @pytest.mark.parametrize("index_name", ["hash", "none"])
 def test_advance_many_equals_advancing_step_by_step(index_name):
     """advance_many(k) leaves what k advance() calls leave, and reports each step's usage
-    and evictions as they were after that step."""
+    counts and evictions as they were after that step."""
     indexes = {"hash": BlockHashPrefixIndex, "none": NullPrefixIndex}
     ids = [0, 1, 2]
     stepped, fast = _stale_claim_setup(indexes[index_name]()), _stale_claim_setup(indexes[index_name]())
@@ -497,11 +497,19 @@ def test_advance_many_equals_advancing_step_by_step(index_name):
         num_steps = fast_run.num_quiet_steps((), num_steps)  # fewer once the pool runs short
         reported = fast_run.advance_many(num_steps)
         assert len(reported) == num_steps
-        for usage, num_reused in reported:
+        for *counts, num_reused in reported:
             evicted = stepped.num_evicted_blocks
             stepped_run.advance()
-            assert (usage, num_reused) == (stepped.usage(), stepped.num_evicted_blocks - evicted)
+            assert (tuple(counts), num_reused) == (
+                stepped.usage_counts(),
+                stepped.num_evicted_blocks - evicted,
+            )
             num_reused_total += num_reused
+        if reported:  # the counts' columns are the usage figures step by step
+            columns = fast.usage_columns([tuple(step[:3]) for step in reported])
+            assert {path: values[-1] for path, values in columns.items()} == {
+                f"kv.{name}": getattr(stepped.usage(), name) for name in (p[3:] for p in columns)
+            }
         fast.check()
         assert _decode_state(fast, ids) == _decode_state(stepped, ids)
     assert fast.pool.num_free < 3  # the steps ran the pool down...
