@@ -254,6 +254,7 @@ class BlockPool:
         ref, soft, cached = self._ref, self._soft, self._cached
         nxt, prev = self._next, self._prev
         self._ref_version += 1
+        num_revived = num_cached = num_pinned = 0  # counters in locals: hundreds of blocks
         for b in block_ids:
             r = ref[b]
             if r == 0:
@@ -261,12 +262,15 @@ class BlockPool:
                 n = nxt[b]
                 nxt[p] = n
                 prev[n] = p
-                self._num_free -= 1
+                num_revived += 1
                 if cached[b]:
-                    self._num_cached_free -= 1
+                    num_cached += 1
             elif r == soft[b]:
-                self._num_reclaimable -= 1  # a hard reference pins it
+                num_pinned += 1  # a hard reference pins a reclaimable block
             ref[b] = r + 1
+        self._num_free -= num_revived
+        self._num_cached_free -= num_cached
+        self._num_reclaimable -= num_pinned
 
     def decref(self, block_id: int) -> bool:
         """Drop one hard reference; returns True when the block became free.
@@ -305,28 +309,36 @@ class BlockPool:
         ref, soft, cached = self._ref, self._soft, self._cached
         nxt, prev = self._next, self._prev
         sentinel = self.num_blocks
-        num_freed = 0
+        num_freed = num_cached = num_reclaimable = 0
         self._ref_version += 1  # up front: a ValueError midway leaves earlier blocks freed
-        for b in block_ids:
-            r = ref[b] - 1
-            s = soft[b]
-            if r < s:
-                raise ValueError(
-                    f"BlockPool.decref: block {b} has no hard reference (ref_count={r + 1}, soft={s})"
-                )
-            ref[b] = r
-            if r == 0:
-                tail = prev[sentinel]
-                nxt[tail] = b
-                prev[b] = tail
-                nxt[b] = sentinel
-                prev[sentinel] = b
-                self._num_free += 1
-                num_freed += 1
-                if cached[b]:
-                    self._num_cached_free += 1
-            elif r == s:
-                self._num_reclaimable += 1
+        tail = prev[sentinel]
+        try:
+            for b in block_ids:
+                r = ref[b] - 1
+                s = soft[b]
+                if r < s:
+                    raise ValueError(
+                        f"BlockPool.decref: block {b} has no hard reference (ref_count={r + 1}, soft={s})"
+                    )
+                ref[b] = r
+                if r == 0:
+                    # Link b after the tail; the sentinel is relinked once at the end.
+                    nxt[tail] = b
+                    prev[b] = tail
+                    tail = b
+                    num_freed += 1
+                    if cached[b]:
+                        num_cached += 1
+                elif r == s:
+                    num_reclaimable += 1
+        finally:
+            # Counters and the tail in locals (thousands of blocks per call), written back
+            # even when a misused block stops the loop, so earlier blocks stay released.
+            nxt[tail] = sentinel
+            prev[sentinel] = tail
+            self._num_free += num_freed
+            self._num_cached_free += num_cached
+            self._num_reclaimable += num_reclaimable
         return num_freed
 
     def set_cached_many(self, block_ids: Iterable[int]) -> None:

@@ -355,12 +355,15 @@ class PagedKVManager(SeqTable):
             # pool references in one call, both tail first.
             tail_first = seq.block_ids[::-1]
             seq_refs, claimed = self._seq_refs, self._claimed
+            num_released = num_slots = 0
             for b in tail_first:
                 r = seq_refs[b] - 1
                 seq_refs[b] = r
                 if r == 0:
-                    self._num_blocks_in_use -= 1
-                    self._num_token_slots -= claimed[b]
+                    num_released += 1
+                    num_slots += claimed[b]
+            self._num_blocks_in_use -= num_released
+            self._num_token_slots -= num_slots
             self.pool.free_many(tail_first)
             return
         for i in range(len(seq.block_ids) - 1, -1, -1):
