@@ -35,7 +35,8 @@ from kvbench.workloads.tokens import (
     check_seed,
     check_vocab_size,
     derive_rng,
-    keyed_token_ids,
+    keyed_block_bases,
+    keyed_ids_from_bases,
     random_token_ids,
 )
 from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
@@ -202,10 +203,11 @@ class _HashBlockIds:
             # ~45 us of numpy overhead each, 8 s for the Mooncake conversation trace).
             new_lengths = np.array([length for _, length in missing], dtype=np.int64)  # [m]
             ends = np.cumsum(new_lengths)  # [m]
-            keys = np.repeat(np.array([h for h, _ in missing], dtype=np.int64), new_lengths)  # [total]
+            # Each block's key mixed once, then repeated over its tokens.
+            bases = np.repeat(keyed_block_bases(self._seed, [h for h, _ in missing]), new_lengths)  # [total]
             offsets = np.arange(int(ends[-1])) - np.repeat(ends - new_lengths, new_lengths)  # [total]
             # ids: [total] int32 (vocabularies are far below 2**31)
-            ids = keyed_token_ids(self._seed, keys, offsets, self._vocab_size).astype(np.int32)
+            ids = keyed_ids_from_bases(bases, offsets, self._vocab_size).astype(np.int32)
             for block, part in zip(missing, np.split(ids, ends[:-1])):
                 cache[block] = part
         prompt = np.concatenate([cache[block] for block in blocks])  # [num_tokens] int32

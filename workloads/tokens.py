@@ -82,14 +82,26 @@ def keyed_token_ids(
     there, whatever else they contain. A counter-based hash (SplitMix64) rather than one
     RNG per key keeps the 300k blocks of a Mooncake trace fast. Pure; no state.
     """
+    return keyed_ids_from_bases(keyed_block_bases(seed, keys), offsets, vocab_size)
+
+
+def keyed_block_bases(seed: int, keys: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Per key, the uint64 base its block's ids are drawn from (``keyed_token_ids``' first
+    stage): callers with many ids per key mix each key once and repeat the bases. Pure."""
     keys_u = np.asarray(keys, dtype=np.int64).astype(np.uint64)  # [n]
-    offsets_u = np.asarray(offsets, dtype=np.int64).astype(np.uint64)  # [n]
-    golden = np.uint64(GOLDEN64)
     # The +1s keep (seed, key, offset) = (0, 0, 0) off the mixer's fixed point at zero.
     seed_mixed = mix64(np.array([((seed + 1) * GOLDEN64) & MASK64], dtype=np.uint64))
     with np.errstate(over="ignore"):
-        block_base = mix64(((keys_u + np.uint64(1)) * golden) ^ seed_mixed)
-        mixed = mix64(block_base + (offsets_u + np.uint64(1)) * golden)
+        return mix64(((keys_u + np.uint64(1)) * np.uint64(GOLDEN64)) ^ seed_mixed)
+
+
+def keyed_ids_from_bases(
+    bases: np.ndarray, offsets: np.ndarray | Sequence[int], vocab_size: int
+) -> np.ndarray:
+    """``keyed_token_ids``' second stage: the id at each ``(base, offset)`` pair, int64. Pure."""
+    offsets_u = np.asarray(offsets, dtype=np.int64).astype(np.uint64)  # [n]
+    with np.errstate(over="ignore"):
+        mixed = mix64(bases + (offsets_u + np.uint64(1)) * np.uint64(GOLDEN64))
     num_regular = np.uint64(vocab_size - FIRST_REGULAR_TOKEN_ID)
     return (mixed % num_regular).astype(np.int64) + FIRST_REGULAR_TOKEN_ID
 
