@@ -255,22 +255,25 @@ class BlockPool:
         nxt, prev = self._next, self._prev
         self._ref_version += 1
         num_revived = num_cached = num_pinned = 0  # counters in locals: hundreds of blocks
-        for b in block_ids:
-            r = ref[b]
-            if r == 0:
-                p = prev[b]
-                n = nxt[b]
-                nxt[p] = n
-                prev[n] = p
-                num_revived += 1
-                if cached[b]:
-                    num_cached += 1
-            elif r == soft[b]:
-                num_pinned += 1  # a hard reference pins a reclaimable block
-            ref[b] = r + 1
-        self._num_free -= num_revived
-        self._num_cached_free -= num_cached
-        self._num_reclaimable -= num_pinned
+        try:
+            for b in block_ids:
+                r = ref[b]
+                if r == 0:
+                    p = prev[b]
+                    n = nxt[b]
+                    nxt[p] = n
+                    prev[n] = p
+                    num_revived += 1
+                    if cached[b]:
+                        num_cached += 1
+                elif r == soft[b]:
+                    num_pinned += 1  # a hard reference pins a reclaimable block
+                ref[b] = r + 1
+        finally:
+            # Written back even when a bad id stops the loop: earlier blocks stay counted.
+            self._num_free -= num_revived
+            self._num_cached_free -= num_cached
+            self._num_reclaimable -= num_pinned
 
     def decref(self, block_id: int) -> bool:
         """Drop one hard reference; returns True when the block became free.

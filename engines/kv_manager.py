@@ -23,7 +23,7 @@ stay referenced by the swapped sequence, because other holders still read them.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,7 +308,8 @@ class PagedKVManager(SeqTable):
         """The prefix index's ``match_watch``: blocks whose reuse could change what
         ``can_allocate(.., token_ids, .., extra_key)`` finds cached while only ``seq_ids``
         decode; None when anything might. Pure apart from the index's match memo."""
-        return self.prefix_index.match_watch(token_ids, extra_key, seq_ids)
+        match_watch = getattr(self.prefix_index, "match_watch", None)  # optional for third-party indexes
+        return None if match_watch is None else match_watch(token_ids, extra_key, seq_ids)
 
     def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
         """Start growing ``seq_ids`` by one slot per step (see ``DecodeRun``). Mutates
@@ -711,11 +712,12 @@ class DecodeRun:
 
     def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
         """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
-        once: together they take no more blocks than are free (nothing to evict) and none
+        once: together they take no more blocks than are free (the prefix index need not
+        ``evict``; cached-free blocks reused drop their registrations as usual) and none
         of the blocks in ``watch``. 0 when the prefix index holds blocks (its commits move
         references, so steps must interleave with them). Pure; O(steps + blocks taken)."""
         kv = self._kv
-        if kv.prefix_index.holds_blocks or max_steps <= 0:
+        if getattr(kv.prefix_index, "holds_blocks", True) or max_steps <= 0:
             return 0
         bs = kv.block_size
         # Each sequence takes at most one block per bs steps: an upper bound on the walk.
@@ -731,13 +733,20 @@ class DecodeRun:
             steps += 1
         return steps
 
-    def advance_many(self, num_steps: int) -> list[tuple[int, int, int, int]]:
-        """``advance`` ``num_steps`` times with nothing in between: the same blocks (taken
-        step by step in sequence order), claims, counters and reuse-listener drops, in one
-        pass. Returns, per step, the manager's ``usage_counts`` after it and how many
-        cached blocks it reused (evictions). Only for an index that holds no blocks and when the steps' blocks are
-        free (``num_quiet_steps``); raises KVCapacityError otherwise, changing nothing.
-        Mutates the manager (claims, block tables, the pool, the index via the listener)."""
+    def advance_many(
+        self, num_steps: int, after_step: Callable[[int], None] | None = None
+    ) -> list[tuple[int, int, int, int]]:
+        """``advance`` ``num_steps`` times: the same blocks (taken step by step in sequence
+        order), claims, counters and reuse-listener drops. ``after_step(t)`` runs once
+        step ``t``'s blocks are taken (the cached ones already dropped from the prefix
+        index), before step ``t + 1``'s: the step's commits go there, so an index sees
+        drops and registrations interleaved exactly as step by step. It may only commit:
+        slot counts already include all ``num_steps`` steps, claims are settled at the end.
+        Returns, per step, the manager's ``usage_counts`` after it and how many cached
+        blocks it reused (evictions). Only for an index that holds no blocks and when the
+        steps' blocks are free (``num_quiet_steps``); raises KVCapacityError otherwise,
+        changing nothing. Mutates the manager (claims, block tables, the pool, the index
+        via the listener)."""
         kv = self._kv
         bs = kv.block_size
         pool = kv.pool
@@ -745,25 +754,31 @@ class DecodeRun:
         at_boundary = self._at_boundary
         needs = [at_boundary[-(start + t) % bs] for t in range(num_steps)]
         total = sum(needs)
-        if kv.prefix_index.holds_blocks or total > pool.num_free:
+        if getattr(kv.prefix_index, "holds_blocks", True) or total > pool.num_free:
             raise KVCapacityError(f"decode run: {total} blocks for {num_steps} steps, {pool.num_free} free")
         in_use, token_slots = kv._num_blocks_in_use, kv._num_token_slots
         free = pool.num_free - pool.num_cached_free
-        reused = [pool.is_cached(b) for b in pool.peek(total)]  # read before they are taken
-        fresh = pool.allocate_many(total)
+        # Commits register in-use blocks only, so free blocks' cached flags hold till taken.
+        reused = [pool.is_cached(b) for b in pool.peek(total)]
         # Step t gives a block to every sequence whose slot count is then a multiple of bs.
         by_offset: dict[int, list[_Seq]] = {}
+        befores = []
         for seq in self._seqs:
             by_offset.setdefault(seq.num_tokens % bs, []).append(seq)
-        taken = iter(fresh)
+            befores.append(seq.num_tokens)
+            seq.num_tokens += num_steps  # the slots reserved (what commits check against)
         for t in range(num_steps):
-            for seq in by_offset.get(-t % bs, ()):
-                seq.block_ids.append(next(taken))
+            group = by_offset.get(-t % bs)
+            if group:
+                for seq, b in zip(group, pool.allocate_many(len(group))):
+                    seq.block_ids.append(b)
+            if after_step is not None:
+                after_step(t)
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped).
         claimed, seq_refs = kv._claimed, kv._seq_refs
         stale = 0  # a partial block's stale claims, overwritten by the first step
-        for seq in self._seqs:
-            before, table = seq.num_tokens, seq.block_ids
+        for seq, before in zip(self._seqs, befores):
+            table = seq.block_ids
             after = before + num_steps
             offset = before % bs
             if offset:
@@ -775,7 +790,6 @@ class DecodeRun:
                 seq_refs[b] = 1
             if len(table) * bs > after:
                 claimed[table[-1]] = after - (len(table) - 1) * bs
-            seq.num_tokens = after
         num_seqs = len(self._seqs)
         kv._num_blocks_in_use += total
         kv._num_token_slots += num_steps * num_seqs + stale

@@ -170,9 +170,10 @@ class _RunLog:
         for row, new in zip(self.token_rows, token_rows):
             row.extend(new)
 
-    def covered_steps(self) -> CoveredSteps | None:
-        """The run as ``StepOutput.covered_steps`` (None when no step was taken); adds the
-        steps to the executor's counters. The template is the last step's stats."""
+    def finish(self) -> CoveredSteps | None:
+        """End the run: its steps as ``StepOutput.covered_steps`` (None when none was
+        taken; the template is the last step's stats). Mutates the executor's step
+        counters (adds the run's steps); call once."""
         num_steps = len(self.durations_s)
         if not num_steps:
             return None
@@ -581,9 +582,12 @@ class PagedEngine:
                     while num < cap and end_s < next_arrival_s:
                         end_s += durations[index + num]
                         num += 1
-                    reserved = run.advance_many(num)
                     token_rows = tokens[:, index : index + num].tolist()
-                    scheduler.complete_decodes_many(pairs, token_rows)
+                    step_commits = scheduler.complete_decodes_many(pairs, token_rows)
+                    reserved = run.advance_many(
+                        num,
+                        after_step=lambda step, commits=step_commits: scheduler.commit_decodes(commits[step]),
+                    )
                     log.add_many(token_rows, durations[index : index + num], reserved)
                     quiet -= num
                     index += num
@@ -609,7 +613,7 @@ class PagedEngine:
                 offset += 1
                 start_s += duration_s
         scheduler.finish_decodes(pairs)
-        covered = log.covered_steps()
+        covered = log.finish()
         if covered is None:
             return None
         return StepOutput(

@@ -91,7 +91,7 @@ class PrefixIndex(Protocol):
         other acquire): the blocks whose reuse would drop part of the match. None when the
         sequences' next registrations could lengthen the match, or the index cannot tell;
         callers then re-match every step. The container is valid until the next call to
-        ``match``. Mutates nothing but the match memo (as ``match``)."""
+        ``match``. Mutates nothing but the match memo and key-chain cache (as ``match``)."""
         ...
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
@@ -337,6 +337,14 @@ class TokenSpan(Sequence[int]):
         if not 0 <= index < size:
             raise IndexError(f"{type(self).__name__} index {index} out of range({size})")
         return self._tokens[self._start + index]
+
+    def __eq__(self, other: object) -> bool:
+        # Compares like the list slice it stands for (chunks hold one or the other).
+        if isinstance(other, (list, TokenSpan)):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
 
 
 class TokenPrefix(TokenSpan):

@@ -353,8 +353,8 @@ class Scheduler:
     # (``append_decodes``) and, after choosing tokens, completes it (``complete_decodes``);
     # ``finish_decodes`` ends the run. Each step leaves exactly the state ``schedule`` +
     # ``complete_step`` + ``append_token`` would have. Steps that cannot admit the head
-    # (``quiet_decode_steps``) go together: ``DecodeRun.advance_many`` then
-    # ``complete_decodes_many``.
+    # (``quiet_decode_steps``) go together: ``complete_decodes_many``, then
+    # ``DecodeRun.advance_many`` committing each step after its blocks are taken.
 
     def decode_batch(self) -> list[tuple[SequenceGroup, Sequence]] | None:
         """The (group, sequence) pairs of the next step, in chunk order, when that step can
@@ -451,25 +451,30 @@ class Scheduler:
 
     def complete_decodes_many(
         self, pairs: list[tuple[SequenceGroup, Sequence]], token_rows: list[list[int]]
-    ) -> None:
-        """``complete_decodes`` for consecutive steps whose slots ``advance_many`` reserved:
-        ``token_rows[i]`` holds the tokens sampled for ``pairs[i]``, one per step. Commits
-        happen in the order step-by-step completion makes them (step, then pair), so the
-        first of two equal blocks is still the one registered. Mutates the sequences and
-        the prefix index."""
-        kv = self.kv
-        interval = kv.commit_interval
-        commits = []
-        for index, ((_, seq), row) in enumerate(zip(pairs, token_rows)):
+    ) -> list[list[tuple[Sequence, int]]]:
+        """``complete_decodes`` for consecutive steps taken together: ``token_rows[i]`` holds
+        the tokens sampled for ``pairs[i]``, one per step. Appends them and sets the
+        computed counts now; returns, per step, the commits it makes (sequence, tokens
+        written; in pair order), for ``commit_decodes`` right after that step's slots are
+        reserved (``DecodeRun.advance_many(after_step=...)``), so that the prefix index
+        sees each step's drops before its registrations, as step by step. Mutates the
+        sequences."""
+        interval = self.kv.commit_interval
+        steps: list[list[tuple[Sequence, int]]] = [[] for _ in range(len(token_rows[0]) if token_rows else 0)]
+        for (_, seq), row in zip(pairs, token_rows):
             tokens = seq.token_ids
             first = len(tokens)
             for step in range(-first % interval, len(row), interval):
-                commits.append((step, index, first + step))
+                steps[step].append((seq, first + step))
             tokens.extend(row)
             seq.num_computed_tokens = len(tokens) - 1
-        commits.sort()
-        for _, index, num_tokens in commits:
-            seq = pairs[index][1]
+        return steps
+
+    def commit_decodes(self, commits: list[tuple[Sequence, int]]) -> None:
+        """Register each sequence's first ``num_tokens`` tokens with the prefix index (one
+        step's entry of ``complete_decodes_many``). Mutates the prefix index."""
+        kv = self.kv
+        for seq, num_tokens in commits:
             kv.commit(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens))
 
     def finish_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> None:
@@ -482,8 +487,9 @@ class Scheduler:
 
     def _head_may_start(self, budget: int) -> bool:
         """Whether ``_admit_waiting`` with ``budget`` tokens left could admit the head (or
-        do anything at all) after this step's decode slots were reserved. Pure; answers
-        True whenever unsure (a multi-sequence head), which only ends a run early."""
+        do anything at all) after this step's decode slots were reserved. Pure apart from
+        materializing the head's prompt and the prefix index's match memo; answers True
+        whenever unsure (a multi-sequence head), which only ends a run early."""
         if not self.waiting or budget <= 0:
             return False
         group = self.waiting[0]

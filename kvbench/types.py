@@ -208,6 +208,18 @@ class CoveredSteps:
     sample_indexes: tuple[int, ...]
     token_ids: tuple[tuple[int, ...], ...]  # [batch sequence][step]
 
+    def __post_init__(self) -> None:
+        num_steps = len(self.durations_s)
+        if num_steps == 0:
+            raise ValueError("CoveredSteps: no step (a single step is a plain StepOutput)")
+        for path, values in self.columns.items():
+            if len(values) != num_steps:
+                raise ValueError(
+                    f"CoveredSteps: column {path!r} has {len(values)} values for {num_steps} steps"
+                )
+        if any(len(row) != num_steps for row in self.token_ids):
+            raise ValueError(f"CoveredSteps: every token row needs {num_steps} tokens")
+
     def __len__(self) -> int:
         return len(self.durations_s)
 

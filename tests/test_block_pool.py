@@ -93,6 +93,20 @@ def test_misuse_raises_naming_the_block():
         BlockPool(-1)
 
 
+def test_bulk_calls_stopped_midway_leave_a_consistent_pool():
+    # Bulk calls keep their counters in locals; a bad id must not strand them.
+    pool = BlockPool(4)
+    with pytest.raises(IndexError):
+        pool.incref_many([0, 99])  # block 0 is revived before the bad id
+    pool.check()
+    assert pool.num_free == 3 and pool.ref_count(0) == 1
+    blocks = pool.allocate_many(2)
+    with pytest.raises(ValueError, match="block 3 has no hard reference"):
+        pool.free_many([blocks[0], 3])  # block 3 is free already
+    pool.check()
+    assert pool.num_free == 2 and pool.free_blocks()[-1] == blocks[0]
+
+
 def test_check_detects_a_corrupted_free_list():
     pool = BlockPool(3)
     pool._prev[1] = 2  # break the back pointer of block 1

@@ -48,8 +48,12 @@ def run(
     workload: Workload, fast_forward: bool, spec: ModelSpec = SPEC, **params: object
 ) -> tuple[RawRun, CountingEngine]:
     ctx = EngineContext(spec, SLOW, None, "cpu", "fp32", 0, "sim")
+    block_size = int(params.get("block_size", 16))  # type: ignore[call-overload]
     engine = CountingEngine(
-        ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), fast_forward=fast_forward, **params
+        ctx,
+        executor=CostModelExecutor.from_context(ctx, block_size=block_size),
+        fast_forward=fast_forward,
+        **params,
     )
     raw = replay(engine, workload, SimClock())
     engine.scheduler.check()
@@ -118,9 +122,9 @@ def test_mooncake_head_fixture(prefix_cache, monkeypatch):
     reserved = [0]
     advance_many = DecodeRun.advance_many
 
-    def counting_advance_many(run, num_steps):
+    def counting_advance_many(run, num_steps, **kwargs):
         reserved[0] += num_steps
-        return advance_many(run, num_steps)
+        return advance_many(run, num_steps, **kwargs)
 
     monkeypatch.setattr(DecodeRun, "advance_many", counting_advance_many)
     workload = load_trace(
@@ -209,6 +213,27 @@ def test_property_fast_forward_equals_stepping(
         num_blocks=num_blocks,
         max_num_seqs=max(max_num_seqs, n),
         max_num_batched_tokens=max_num_batched_tokens,
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tiny_vocabulary_drops_and_registrations_interleave_as_stepping(seed):
+    # One regular id (vocab 4) and 4-token blocks: every block holds the same tokens,
+    # so decode blocks repeat the keys of cached-free blocks. A step's reused blocks must
+    # lose their registrations before that step's commits register (and after the
+    # previous step's), as step by step; otherwise a commit finds a key free that was
+    # taken, or the reverse, and caching differs from then on.
+    spec = dataclasses.replace(SPEC, vocab_size=4)
+    workload = random_requests(
+        14,
+        {"kind": "uniform", "low": 6, "high": 30},
+        {"kind": "uniform", "low": 20, "high": 80},
+        {"kind": "poisson", "rate_per_s": 20.0},
+        vocab_size=4,
+        seed=seed,
+    )
+    assert_identical(
+        workload, spec=spec, block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64
     )
 
 
