@@ -153,3 +153,19 @@ def test_overlapping_arrivals_hit_at_most_the_bound() -> None:
     m, _ = simulate(dataclasses.replace(workload, max_concurrency=None), num_blocks=400)
     assert m["num_completed"] == len(workload.requests)
     assert 0 < m["prefix_hit_rate_first_admission"] <= m["prefix_reuse_upper_bound"]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_bound_is_the_same_whatever_the_batching(name: str, monkeypatch) -> None:
+    # Prompts are hashed in batches (global indices inside each); any cut gives the same keys.
+    import kvbench.metrics
+
+    requests = WORKLOADS[name]().requests
+    prompts = [r.prompt_token_ids for r in requests]
+    salts = [r.cache_salt for r in requests]
+    whole = prefix_reused_tokens(prompts, BLOCK_SIZE, salts)
+    for batch_tokens in (1, 40, 333):
+        monkeypatch.setattr(kvbench.metrics, "_BOUND_BATCH_TOKENS", batch_tokens)
+        assert prefix_reused_tokens(prompts, BLOCK_SIZE, salts).tolist() == whole.tolist()
+    if name == "repeats":
+        assert whole.tolist() == EXPECTED_REUSED["repeats"]
