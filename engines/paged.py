@@ -183,9 +183,8 @@ class _RunLog:
         last = num_steps - 1
         # Each step decodes one more token per sequence than the last.
         contexts = range(self.context, self.context + num_steps * num_seqs, num_seqs)
-        counters0 = (0, 0, 0)
         template = engine._stats(
-            counters0,
+            (0, 0, 0),  # prefix queries and hits: none in a run; evictions: the last step's
             (0, 0, self.evicted[last]),
             num_prefill_tokens=0,
             num_decode_tokens=num_seqs,
@@ -567,7 +566,6 @@ class PagedEngine:
                 if eos_hits.any():
                     limit = int(eos_hits.argmax())
                     ended = True
-            step_lists = tokens[:, :limit].T.tolist()  # [step][seq]
             index = 0
             while index < limit:
                 if start_s >= next_arrival_s:
@@ -582,7 +580,7 @@ class PagedEngine:
                     while num < cap and end_s < next_arrival_s:
                         end_s += durations[index + num]
                         num += 1
-                    token_rows = tokens[:, index : index + num].tolist()
+                    token_rows = tokens[:, index : index + num].tolist()  # [seq][step]
                     step_commits = scheduler.complete_decodes_many(pairs, token_rows)
                     reserved = run.advance_many(
                         num,
@@ -594,12 +592,10 @@ class PagedEngine:
                     offset += num
                     start_s = end_s
                     continue
-                step_tokens, duration_s = step_lists[index], durations[index]
                 if run.num_new_blocks() > kv.num_allocatable_blocks:
                     ended = True  # a preemption: a normal step
                     break
                 counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
-                evicted0 = kv.num_evicted_blocks
                 if not scheduler.append_decodes(pairs, run):
                     # A waiting group starts in this step: the scheduler keeps its plan for
                     # the next normal step, whose stats count from here.
@@ -607,8 +603,9 @@ class PagedEngine:
                     ended = True
                     break
                 quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
+                step_tokens, duration_s = tokens[:, index].tolist(), durations[index]  # one per sequence
                 scheduler.complete_decodes(pairs, step_tokens)
-                log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - evicted0)
+                log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - counters0[2])
                 index += 1
                 offset += 1
                 start_s += duration_s
