@@ -5,10 +5,20 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import pandas as pd
 import pytest
 
 from kvbench.runner import MAX_IDLE_STEPS, SimClock, WallClock, replay
-from kvbench.types import FinishedRequest, KVUsage, Request, StepOutput, StepStats, TokenEvent, Workload
+from kvbench.types import (
+    CoveredSteps,
+    FinishedRequest,
+    KVUsage,
+    Request,
+    StepOutput,
+    StepStats,
+    TokenEvent,
+    Workload,
+)
 
 
 class ScriptedEngine:
@@ -107,3 +117,83 @@ def test_wall_clock_waits_for_arrivals() -> None:
     rows = raw.requests.set_index("request_id")
     assert rows.loc["r1", "first_scheduled_s"] >= 0.05
     assert all(not math.isnan(v) for v in raw.steps["end_s"])
+
+
+class CoveringEngine:
+    """One request of 6 tokens: a first step, then 4 steps in one CoveredSteps output (or,
+    with ``split``, the same 4 steps one per call from ``CoveredSteps.stats``/``tokens``),
+    then a last step that finishes it."""
+
+    name = "covering"
+
+    def __init__(self, split: bool) -> None:
+        self.split = split
+        self.request: Request | None = None
+        self.calls = 0
+        self.pending: list[StepOutput] = []
+
+    def add_request(self, request: Request) -> None:
+        self.request = request
+
+    def has_unfinished(self) -> bool:
+        return self.calls < 3 or bool(self.pending)
+
+    def describe(self) -> dict:
+        return {}
+
+    def _stats(self, token_bytes: int, evicted: int = 0) -> StepStats:
+        kv = KVUsage(capacity_bytes=100, allocated_bytes=40, token_bytes=token_bytes)
+        return StepStats(1, 0, 1, 0, 1, kv, num_evicted_blocks=evicted)
+
+    def step(self) -> StepOutput:
+        if self.pending:
+            return self.pending.pop(0)
+        self.calls += 1
+        rid = self.request.request_id
+        if self.calls == 1:
+            return StepOutput(
+                (TokenEvent(rid, 0, 7),), (rid,), (), (), self._stats(8), modeled_duration_s=0.5
+            )
+        if self.calls == 3:
+            done = FinishedRequest(rid, ((7, 8, 9, 10, 11, 12),))
+            return StepOutput(
+                (TokenEvent(rid, 0, 12),), (), (done,), (), self._stats(13), modeled_duration_s=0.5
+            )
+        covered = CoveredSteps(
+            durations_s=(0.25, 0.25, 0.3, 0.1),
+            template=self._stats(12, evicted=1),
+            columns={"kv.token_bytes": [9, 10, 11, 12], "num_evicted_blocks": [0, 2, 0, 1]},
+            request_ids=(rid,),
+            sample_indexes=(0,),
+            token_ids=((8, 9, 10, 11),),
+        )
+        if not self.split:
+            return StepOutput((), (), (), (), covered.template, modeled_duration_s=0.9, covered_steps=covered)
+        events = covered.tokens()
+        self.pending = [
+            StepOutput((event._replace(step_offset=0),), (), (), (), covered.stats(i), covered.durations_s[i])
+            for i, event in enumerate(events)
+        ]
+        return self.pending.pop(0)
+
+
+def test_covered_steps_record_like_the_same_steps_one_per_call() -> None:
+    workload = _workload([0.0], max_new=6)
+    together = replay(CoveringEngine(split=False), workload, SimClock())
+    apart = replay(CoveringEngine(split=True), workload, SimClock())
+    assert together.num_steps == apart.num_steps == 6
+    pd.testing.assert_frame_equal(together.steps, apart.steps, check_exact=True)
+    pd.testing.assert_frame_equal(together.requests, apart.requests, check_exact=True)
+    assert together.steps["kv_token_bytes"].tolist() == [8, 9, 10, 11, 12, 13]
+    assert together.steps["num_evicted_blocks"].tolist() == [0, 0, 2, 0, 1, 0]
+    assert together.requests["token_times_s"][0] == pytest.approx([0.5, 0.75, 1.0, 1.3, 1.4, 1.9])
+
+
+def test_covered_steps_check_their_shape() -> None:
+    stats = StepStats(1, 0, 1, 0, 1, KVUsage(capacity_bytes=1, allocated_bytes=0, token_bytes=0))
+    with pytest.raises(ValueError, match="no step"):
+        CoveredSteps((), stats, {}, (), (), ())
+    with pytest.raises(ValueError, match="column 'kv.token_bytes' has 1 values for 2 steps"):
+        CoveredSteps((1.0, 1.0), stats, {"kv.token_bytes": [3]}, ("r",), (0,), ((5, 6),))
+    with pytest.raises(ValueError, match="every token row"):
+        CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), ((5,),))
