@@ -137,18 +137,6 @@ class BlockPool:
             b = self._next[b]
         return out
 
-    def peek(self, num_blocks: int) -> list[int]:
-        """The blocks the next ``num_blocks`` allocations would return, in order (fewer when
-        fewer are free). Pure; O(num_blocks)."""
-        out = []
-        nxt = self._next
-        sentinel = self.num_blocks
-        b = nxt[sentinel]
-        for _ in range(min(num_blocks, self._num_free)):
-            out.append(b)
-            b = nxt[b]
-        return out
-
     def num_free_before(self, watch: Container[int], limit: int) -> int:
         """How many blocks from the free list's head (the next allocated) come before the
         first one in ``watch``: at most ``limit`` and ``num_free``. Pure; O(result)."""

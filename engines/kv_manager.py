@@ -757,9 +757,8 @@ class DecodeRun:
         if getattr(kv.prefix_index, "holds_blocks", True) or total > pool.num_free:
             raise KVCapacityError(f"decode run: {total} blocks for {num_steps} steps, {pool.num_free} free")
         in_use, token_slots = kv._num_blocks_in_use, kv._num_token_slots
-        free = pool.num_free - pool.num_cached_free
-        # Commits register in-use blocks only, so free blocks' cached flags hold till taken.
-        reused = [pool.is_cached(b) for b in pool.peek(total)]
+        # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
+        steps: list[tuple[int, int, int]] = []
         # Step t gives a block to every sequence whose slot count is then a multiple of bs.
         by_offset: dict[int, list[_Seq]] = {}
         befores = []
@@ -769,9 +768,13 @@ class DecodeRun:
             seq.num_tokens += num_steps  # the slots reserved (what commits check against)
         for t in range(num_steps):
             group = by_offset.get(-t % bs)
+            cached_before = pool.num_cached_free
             if group:
                 for seq, b in zip(group, pool.allocate_many(len(group))):
                     seq.block_ids.append(b)
+                in_use += len(group)
+            # Read before the commits (which register in-use blocks only, changing neither).
+            steps.append((in_use, pool.num_free - pool.num_cached_free, cached_before - pool.num_cached_free))
             if after_step is not None:
                 after_step(t)
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped).
@@ -794,12 +797,7 @@ class DecodeRun:
         kv._num_blocks_in_use += total
         kv._num_token_slots += num_steps * num_seqs + stale
         self._num_steps += num_steps
-        out = []
-        cursor = 0
-        for t, need in enumerate(needs):
-            num_reused = reused[cursor : cursor + need].count(True)
-            cursor += need
-            in_use += need
-            free -= need - num_reused
-            out.append((in_use, token_slots + (t + 1) * num_seqs + stale, free, num_reused))
-        return out
+        return [
+            (step_in_use, token_slots + (t + 1) * num_seqs + stale, free, num_reused)
+            for t, (step_in_use, free, num_reused) in enumerate(steps)
+        ]

@@ -524,7 +524,7 @@ def test_advance_many_equals_advancing_step_by_step(index_name):
 def test_num_quiet_steps_stops_before_a_watched_block():
     m = _stale_claim_setup(BlockHashPrefixIndex())
     run = m.decode_run([0, 1, 2])
-    upcoming = m.pool.peek(6)
+    upcoming = m.pool.free_blocks()[:6]
     # Steps take 1, 0, 1, 1, 0, 1, ... blocks here (slot counts 7, 8, 3 with 4-slot blocks).
     needs = []
     for step in range(8):
@@ -534,7 +534,7 @@ def test_num_quiet_steps_stops_before_a_watched_block():
     expect = max(step for step in range(9) if taken_before[step] <= 3)
     assert run.num_quiet_steps({watched}, 8) == expect
     assert run.num_quiet_steps(set(), 8) == 8
-    assert m.pool.peek(6) == upcoming  # pure
+    assert m.pool.free_blocks()[:6] == upcoming  # pure
 
 
 def test_match_watch_names_the_matched_blocks_unless_a_sequence_can_extend_the_match():
