@@ -20,12 +20,23 @@ Who holds what (the manager and the index share one ``BlockPool``):
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from kvbench.engines.block_pool import BlockPool, gather
+from kvbench.hashing import (
+    MASK64,
+    block_content_int,
+    block_multipliers,
+    block_term_int,
+    chain_start,
+    chained_block_keys,
+)
 
 
 @dataclass(frozen=True)
@@ -195,16 +206,28 @@ class NullPrefixIndex:
 # token tuple itself in the key would make it exact, but holding and later freeing 16
 # token ints per registered block cost ~10 % of a long simulated trace; vLLM accepts a
 # single 64-bit hash with its builtin-hash option.
-BlockKey = tuple[int | None, int, str | None]
+# A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys).
+# Lane 0 keys the hash map; lane 1 is compared on a hit.
+_VECTOR_MIN_BLOCKS = 8  # fewer new blocks are keyed in Python (numpy's per-call cost)
+
+
+@functools.cache
+def _multipliers(block_size: int) -> tuple[int, ...]:
+    """``block_multipliers`` as Python ints, for the scalar key path. Pure (memoised)."""
+    return tuple(block_multipliers(block_size).tolist())
 
 
 class BlockKeyChain:
-    """The chained keys (and their hashes) of a token sequence's full blocks, computed once.
+    """The chained keys of a token sequence's full blocks, computed once.
 
     vLLM keeps block hashes on the request so that matching and registering never rehash
     a prompt; this is that cache. It is valid for one append-only token sequence, one
-    block size and one extra key: full blocks never change as the sequence grows, so keys
-    are only ever appended. ``extend`` is O(new blocks x block_size).
+    block size and one extra key (the cache salt): full blocks never change as the
+    sequence grows, so keys are only ever appended. Block ``i``'s key is ``hashes[i]``
+    (lane 0) and ``checks[i]`` (lane 1) of ``kvbench.hashing``'s chained block keys, which
+    depend on every token up to the block's end. ``extend`` keys many new blocks in a few
+    numpy calls (from the prompt's own array when ``KeyedTokenIds`` kept it) and a few in
+    Python, with the same values: O(new blocks x block_size).
 
     It also memoises the last match of the chain against one index (the ``match_*``
     slots): a waiting sequence is matched every step it stays blocked, and re-walking a
@@ -215,8 +238,9 @@ class BlockKeyChain:
     __slots__ = (
         "block_size",
         "extra_key",
-        "keys",
         "hashes",
+        "checks",
+        "_starts",
         "match_owner",
         "match_blocks",
         "match_epochs",
@@ -229,8 +253,9 @@ class BlockKeyChain:
     def __init__(self, block_size: int, extra_key: str | None) -> None:
         self.block_size = block_size
         self.extra_key = extra_key
-        self.keys: list[BlockKey] = []
-        self.hashes: list[int] = []  # hashes[i] == hash(keys[i]): block i + 1's parent
+        self.hashes: list[int] = []  # lane 0 of each full block's key: the hash map's key
+        self.checks: list[int] = []  # lane 1: compared on a hit
+        self._starts = (chain_start(extra_key, 0), chain_start(extra_key, 1))
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
         self.match_epochs: tuple[int, ...] = ()  # each block's registration epoch then
@@ -245,31 +270,51 @@ class BlockKeyChain:
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
         """Compute keys up to block ``num_blocks - 1`` (no-op when already there). Mutates the
         chain; raises ValueError when ``token_ids`` has fewer full blocks."""
-        keys, hashes = self.keys, self.hashes
-        if num_blocks <= len(keys):
+        hashes, checks = self.hashes, self.checks
+        first = len(hashes)
+        if num_blocks <= first:
             return
         bs = self.block_size
         if num_blocks * bs > len(token_ids):
             raise ValueError(f"BlockKeyChain: {num_blocks} blocks asked of {len(token_ids)} tokens")
-        extra = self.extra_key
-        parent = hashes[-1] if hashes else None
-        first = len(keys)
-        # One slice for all new blocks (a TokenPrefix view slices in one call; per-block
-        # slices through it cost a Python __getitem__ each), cut into per-block tuples by
-        # zip over one iterator (C-level; a tuple(slice) per block cost a third more).
-        span = iter(token_ids[first * bs : num_blocks * bs])
-        for block in zip(*[span] * bs):
-            key = (parent, hash(block), extra)
-            parent = hash(key)
-            keys.append(key)
-            hashes.append(parent)
+        a, b = (hashes[-1], checks[-1]) if first else self._starts
+        if num_blocks - first >= _VECTOR_MIN_BLOCKS:
+            ids = _id_array(token_ids, first * bs, num_blocks * bs)
+            new_a, new_b = chained_block_keys(ids.reshape(-1, bs), first, (a, b))
+            hashes.extend(new_a)
+            checks.extend(new_b)
+            return
+        # One slice for all new blocks (a TokenPrefix view slices in one call), cut into
+        # per-block tuples by zip over one iterator (C-level). Python ints: numpy scalars
+        # would overflow in the 64-bit products.
+        multipliers = _multipliers(bs)
+        ids = token_ids[first * bs : num_blocks * bs]
+        span = iter(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+        for position, block in enumerate(zip(*[span] * bs), first):
+            content = block_content_int(block, multipliers)
+            a = (a + block_term_int(content, position, 0)) & MASK64
+            b = (b + block_term_int(content, position, 1)) & MASK64
+            hashes.append(a)
+            checks.append(b)
 
     def copy(self) -> BlockKeyChain:
         """An independent chain with the same keys (a fork shares every full block)."""
         chain = BlockKeyChain(self.block_size, self.extra_key)
-        chain.keys = list(self.keys)
         chain.hashes = list(self.hashes)
+        chain.checks = list(self.checks)
         return chain
+
+
+def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
+    """Ids ``[start, stop)`` of ``token_ids`` as a numpy array: a slice of the prompt array a
+    ``KeyedTokenIds`` (or a view over one) kept, when the range lies in it; else a copy."""
+    tokens, offset = token_ids, 0
+    if isinstance(tokens, TokenSpan):
+        tokens, offset = tokens._tokens, tokens._start
+    array = getattr(tokens, "array", None)
+    if array is not None and offset + stop <= len(array):
+        return array[offset + start : offset + stop]
+    return np.asarray(token_ids[start:stop])
 
 
 class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
@@ -279,10 +324,12 @@ class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
     (called for a waiting sequence every step it stays blocked) and ``commit`` reuse the
     keys instead of rehashing the prompt. Contract: only ``append``/``extend`` mutate it
     (which is how sequences grow); the chain covers full blocks only, so it stays valid.
-    ``copy`` (fork) copies the chain, since both copies share every full block.
+    ``copy`` (fork) copies the chain, since both copies share every full block. Built
+    from a numpy array (a trace's prompt), it keeps the array as ``array``: the same ids
+    as its first ``len(array)`` items, which the chain keys in a few numpy calls.
     """
 
-    __slots__ = ("key_chain",)
+    __slots__ = ("key_chain", "array")
 
     def __init__(self, token_ids: Iterable[int] = ()) -> None:
         # A numpy prompt (large traces) becomes Python ints in one C call: list(array)
@@ -290,9 +337,11 @@ class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
         tolist = getattr(token_ids, "tolist", None)
         super().__init__(tolist() if tolist is not None else token_ids)
         self.key_chain: BlockKeyChain | None = None
+        self.array: np.ndarray | None = token_ids if isinstance(token_ids, np.ndarray) else None
 
     def copy(self) -> KeyedTokenIds:  # type: ignore[override]
         other = KeyedTokenIds(self)
+        other.array = self.array
         if self.key_chain is not None:
             other.key_chain = self.key_chain.copy()
         return other
@@ -374,9 +423,10 @@ class _SeqHashState:
 class BlockHashPrefixIndex:
     """vLLM-style prefix cache: full blocks keyed by a chained hash of their tokens.
 
-    Hash: Python's built-in ``hash`` of ``(parent_hash, tuple(block_tokens), extra_key)``.
-    It is stable within one process only (``str`` hashing is salted per process), which is
-    all an in-memory cache needs; keys are never persisted.
+    Key: ``BlockKeyChain``'s two 64-bit lanes of ``kvbench.hashing``'s chained block keys
+    (the cache salt as ``extra_key`` starts the chain). Lane 0 keys the hash map, lane 1
+    is compared on a hit. The prefix-reuse bound (``metrics.prefix_reused_tokens``) uses
+    the same keys.
 
     Only full blocks are registered, so matches are block aligned and capped at
     ``(len(token_ids) - 1) // block_size`` blocks. Registered blocks stay registered while
@@ -392,7 +442,7 @@ class BlockHashPrefixIndex:
         self._pool: BlockPool | None = None
         self._block_size = 0
         self._hash_to_block: dict[int, int] = {}  # hash(key) -> block (compared by key on a hit)
-        self._block_key: list[BlockKey | None] = []  # per block: its key while registered
+        self._block_check: list[int | None] = []  # per block: its key's lane 1 while registered
         self._seqs: dict[int, _SeqHashState] = {}
         self._num_evicted_blocks = 0
         # Per block: how many times its registration was dropped (match memo validity).
@@ -413,8 +463,8 @@ class BlockHashPrefixIndex:
         self._pool = pool
         self._block_size = block_size
         self._epoch = [0] * pool.num_blocks
-        self._block_hash = [0] * pool.num_blocks  # hash(_block_key[b]) while b is registered
-        self._block_key = [None] * pool.num_blocks
+        self._block_hash = [0] * pool.num_blocks  # its key's lane 0 while b is registered
+        self._block_check = [None] * pool.num_blocks
         pool.set_reuse_listener(self._on_blocks_reused)
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
@@ -464,15 +514,15 @@ class BlockHashPrefixIndex:
                     for block in blocks[valid:]:
                         del index[block]
                 blocks, epochs, num_taken = blocks[:valid], epochs[:valid], None
-        lookup, block_key = self._hash_to_block, self._block_key
+        lookup, block_check = self._hash_to_block, self._block_check
         found: list[int] = []
         if len(blocks) < num_full:
-            if len(chain.keys) < num_full:
+            if len(chain.hashes) < num_full:
                 chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
-            keys, hashes = chain.keys, chain.hashes
+            hashes, checks = chain.hashes, chain.checks
             for i in range(len(blocks), num_full):
                 block = lookup.get(hashes[i])
-                if block is None or block_key[block] != keys[i]:
+                if block is None or block_check[block] != checks[i]:
                     break
                 found.append(block)
         if found:
@@ -558,15 +608,15 @@ class BlockHashPrefixIndex:
         if chain is None:
             chain = state.chain = self._chain(token_ids, extra_key)
         chain.extend(token_ids, num_full)
-        lookup, block_key, block_hash = self._hash_to_block, self._block_key, self._block_hash
-        hashes, keys = chain.hashes, chain.keys
+        lookup, block_check, block_hash = self._hash_to_block, self._block_check, self._block_hash
+        hashes, checks = chain.hashes, chain.checks
         registered = []
         for i in range(state.num_blocks, num_full):
             h = hashes[i]
             if h not in lookup:
                 block = block_ids[i]
                 lookup[h] = block
-                block_key[block] = keys[i]
+                block_check[block] = checks[i]
                 block_hash[block] = h
                 registered.append(block)
         pool.set_cached_many(registered)
@@ -597,15 +647,14 @@ class BlockHashPrefixIndex:
     def check(self) -> None:
         pool = self._bound_pool()
         for h, block in self._hash_to_block.items():
-            key = self._block_key[block]
-            assert key is not None and hash(key) == h, f"hash map entry for block {block} not mirrored"
+            assert self._block_check[block] is not None, f"hash map entry for block {block} not mirrored"
             assert self._block_hash[block] == h, f"block {block}: stored hash disagrees with its key"
-        num_keyed = pool.num_blocks - self._block_key.count(None)
+        num_keyed = pool.num_blocks - self._block_check.count(None)
         assert num_keyed == len(self._hash_to_block), (
             f"{num_keyed} hashed blocks but {len(self._hash_to_block)} hash map entries"
         )
         for block in range(pool.num_blocks):
-            assert pool.is_cached(block) == (self._block_key[block] is not None), (
+            assert pool.is_cached(block) == (self._block_check[block] is not None), (
                 f"block {block}: pool cached flag {pool.is_cached(block)} disagrees with the hash map"
             )
 
@@ -617,16 +666,15 @@ class BlockHashPrefixIndex:
 
     def _on_blocks_reused(self, block_ids: list[int]) -> None:
         # The pool is about to overwrite these cached-free blocks: forget them (lazy
-        # eviction). The stored hash: rehashing a key's token tuple costs as much as the
-        # first hash.
-        block_key, lookup, block_hash, epoch = (
-            self._block_key,
+        # eviction), through each block's stored lane 0.
+        block_check, lookup, block_hash, epoch = (
+            self._block_check,
             self._hash_to_block,
             self._block_hash,
             self._epoch,
         )
         for b in block_ids:
-            block_key[b] = None
+            block_check[b] = None
             del lookup[block_hash[b]]
             epoch[b] += 1
         self._num_evicted_blocks += len(block_ids)

@@ -9,6 +9,8 @@ and metrics key prompt blocks; all need hashes that are the same in every proces
 from __future__ import annotations
 
 import hashlib
+import operator
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,3 +30,86 @@ def stable_key(text: str) -> int:
     """A 63-bit key of ``text`` that is the same in every process. Pure."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+# ---------------------------------------------------------------------------- block keys
+# The prefix cache's block keys (``BlockHashPrefixIndex``) and the prefix-reuse bound
+# (``metrics.prefix_reused_tokens``) share this one definition. A full block of
+# ``block_size`` token ids at position ``j`` of its sequence (0: the first block) has
+#
+#   content  c_j  = mix64(sum_k t_jk * BLOCK_MULTIPLIERS[k])            (wrapping)
+#   term     u_j  = mix64(c_j + j * LANE_STEPS[lane] + LANE_SEEDS[lane])  per lane
+#   key      K_i  = chain_start(salt, lane) + sum_{j <= i} u_j           (mod 2**64)
+#
+# so block i's key depends on every token before its end (a chained key, as vLLM's
+# parent-hash chain) while a whole prompt's keys come from a few numpy calls (a cumulative
+# sum, not a sequential loop of hashes). Two lanes: lane 0 is the dict key, lane 1 is
+# compared on a hit, so a false hit needs two independent 64-bit sums to collide. Not
+# collision resistant against a crafted prompt (nor is Python's ``hash`` of int tuples);
+# the same in every process. The scalar twins below give the same values bit for bit, for
+# sequences that grow a block at a time.
+
+LANE_SEEDS = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)
+LANE_STEPS = (GOLDEN64, 0xD1B54A32D192ED03)  # odd: distinct positions stay distinct
+_MIX_1 = 0xBF58476D1CE4E5B9
+_MIX_2 = 0x94D049BB133111EB
+
+
+def block_multipliers(block_size: int) -> np.ndarray:
+    """Per-slot odd multipliers of a block's content sum. uint64 [block_size]. Pure."""
+    return mix64(np.arange(1, block_size + 1, dtype=np.uint64)) | np.uint64(1)
+
+
+def block_contents(tokens: np.ndarray) -> np.ndarray:
+    """c_j of each row of ``tokens`` (int [blocks, block_size]). uint64 [blocks]. Pure."""
+    with np.errstate(over="ignore"):
+        mult = block_multipliers(tokens.shape[1])
+        return mix64((tokens.astype(np.uint64) * mult).sum(axis=1, dtype=np.uint64))
+
+
+def block_terms(contents: np.ndarray, positions: np.ndarray, lane: int) -> np.ndarray:
+    """u_j of each block for ``lane`` (contents, positions: [blocks]). uint64 [blocks]. Pure."""
+    with np.errstate(over="ignore"):
+        steps = positions.astype(np.uint64) * np.uint64(LANE_STEPS[lane]) + np.uint64(LANE_SEEDS[lane])
+        return mix64(contents + steps)
+
+
+def chain_start(salt: str | None, lane: int) -> int:
+    """The key sum before a sequence's first block: 0 unsalted, else a mix of the salt's
+    stable key (so salted and unsalted chains never meet). Pure."""
+    if salt is None:
+        return 0
+    return mix64_int((stable_key(salt) + LANE_SEEDS[lane]) & MASK64)
+
+
+def chained_block_keys(
+    tokens: np.ndarray, first_position: int, starts: tuple[int, int]
+) -> tuple[list[int], list[int]]:
+    """Both lanes' keys of consecutive blocks of one sequence: ``tokens`` int [blocks,
+    block_size] are blocks ``first_position ..``; ``starts`` is each lane's key sum before
+    them (the previous block's key, or ``chain_start``). Python int lists [blocks]. Pure."""
+    contents = block_contents(tokens)
+    positions = np.arange(first_position, first_position + len(tokens), dtype=np.uint64)
+    lanes = []
+    with np.errstate(over="ignore"):
+        for lane, start in enumerate(starts):
+            keys = np.cumsum(block_terms(contents, positions, lane), dtype=np.uint64) + np.uint64(start)
+            lanes.append(keys.tolist())
+    return lanes[0], lanes[1]
+
+
+def mix64_int(x: int) -> int:
+    """``mix64`` of one value in [0, 2**64) as a Python int (the same bits). Pure."""
+    x = ((x ^ (x >> 30)) * _MIX_1) & MASK64
+    x = ((x ^ (x >> 27)) * _MIX_2) & MASK64
+    return x ^ (x >> 31)
+
+
+def block_content_int(block: Sequence[int], multipliers: Sequence[int]) -> int:
+    """``block_contents`` of one block (``multipliers``: ``block_multipliers`` as ints). Pure."""
+    return mix64_int(sum(map(operator.mul, block, multipliers)) & MASK64)
+
+
+def block_term_int(content: int, position: int, lane: int) -> int:
+    """``block_terms`` of one block. Pure."""
+    return mix64_int((content + position * LANE_STEPS[lane] + LANE_SEEDS[lane]) & MASK64)

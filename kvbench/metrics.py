@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from kvbench.hashing import GOLDEN64, mix64, stable_key
+from kvbench.hashing import block_contents, block_terms, chain_start
 
 if TYPE_CHECKING:
     from kvbench.types import Request
@@ -617,37 +617,34 @@ def prefix_reused_tokens(
         raise ValueError(f"block_size: must be an int >= 1, got {block_size!r}")
     prompts = list(prompts)
     salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
-    # Vectorised over batches of prompts, then one pass over all blocks: a block's key is a
-    # 64-bit hash of its content chained with its prefix's as a polynomial
-    # (``_chained_block_keys``), so no Python loop runs per block (the full Mooncake
-    # conversation trace: 9M blocks in ~1 s instead of ~5 s). Distinct prefixes collide
-    # with probability ~2**-60 per pair, which could only raise an upper bound.
+    # Vectorised over batches of prompts, then one pass over all blocks: a block's key is
+    # lane 0 of the engine's chained block key (``kvbench.hashing``), computed for many
+    # prompts at once, so no Python loop runs per block (the full Mooncake conversation
+    # trace: 9M blocks in ~1 s instead of ~5 s). Distinct prefixes collide with probability
+    # ~2**-64 per pair, which could only raise an upper bound.
     keys: list[np.ndarray] = []
     num_blocks = np.zeros(len(prompts), dtype=np.int64)
     num_tokens = np.zeros(len(prompts), dtype=np.int64)
-    with np.errstate(over="ignore"):
-        mult = mix64(np.arange(1, block_size + 1, dtype=np.uint64)) | np.uint64(1)  # [block_size], odd
-        # Prompts go in batches of about _BOUND_BATCH_TOKENS tokens: per-prompt numpy calls
-        # cost more than the arithmetic for 12K prompts, and one batch for all would hold
-        # the whole trace as uint64 (1.2 GB for Mooncake).
-        parts: list[np.ndarray] = []
-        firsts: list[int] = []  # per prompt with blocks in the batch: its first block's index
-        salted: list[tuple[int, str]] = []  # (first block, salt)
-        batch_blocks = 0
-        for p, (prompt, salt) in enumerate(zip(prompts, salts)):
-            ids = np.asarray(prompt)
-            num_tokens[p] = len(ids)
-            nb = len(ids) // block_size
-            num_blocks[p] = nb
-            if nb:
-                parts.append(ids[: nb * block_size])
-                firsts.append(batch_blocks)
-                if salt is not None:
-                    salted.append((batch_blocks, salt))
-                batch_blocks += nb
-            if parts and (batch_blocks * block_size >= _BOUND_BATCH_TOKENS or p == len(prompts) - 1):
-                keys.append(_chained_block_keys(parts, firsts, salted, mult))
-                parts, firsts, salted, batch_blocks = [], [], [], 0
+    # Prompts go in batches of about _BOUND_BATCH_TOKENS tokens: per-prompt numpy calls
+    # cost more than the arithmetic for 12K prompts, and one batch for all would hold the
+    # whole trace as uint64 (1.2 GB for Mooncake).
+    parts: list[np.ndarray] = []
+    firsts: list[int] = []  # per prompt with blocks in the batch: its first block's index
+    batch_salts: list[str | None] = []
+    batch_blocks = 0
+    for p, (prompt, salt) in enumerate(zip(prompts, salts)):
+        ids = np.asarray(prompt)
+        num_tokens[p] = len(ids)
+        nb = len(ids) // block_size
+        num_blocks[p] = nb
+        if nb:
+            parts.append(ids[: nb * block_size])
+            firsts.append(batch_blocks)
+            batch_salts.append(salt)
+            batch_blocks += nb
+        if parts and (batch_blocks * block_size >= _BOUND_BATCH_TOKENS or p == len(prompts) - 1):
+            keys.append(_chained_block_keys(parts, firsts, batch_salts, block_size))
+            parts, firsts, batch_salts, batch_blocks = [], [], [], 0
     reused = np.zeros(len(prompts), dtype=np.int64)
     if not keys:
         return reused
@@ -667,39 +664,22 @@ _BOUND_BATCH_TOKENS = 1 << 22
 
 
 def _chained_block_keys(
-    parts: list[np.ndarray], firsts: list[int], salted: list[tuple[int, str]], mult: np.ndarray
+    parts: list[np.ndarray], firsts: list[int], salts: list[str | None], block_size: int
 ) -> np.ndarray:
-    """The chained keys of the full blocks of several prompts (``parts``: each prompt's
-    full-block tokens; ``firsts``: where each prompt's blocks start among them), in
-    order. A block's content is a random-multiplier sum of its ids, mixed (the salt
-    xor-ed into a prompt's first block); a prompt's k-th key is H_k = sum_i c_i * P**(k - i)
-    mod 2**64 over its blocks, computed for all prompts at once from global indices g as
-    P**g_k * (S_k - S_before), S the running sum of c_i * P**-g_i (P odd, so invertible).
-    uint64 [blocks]. Pure."""
+    """Lane 0 of the chained keys of the full blocks of several prompts (``parts``: each
+    prompt's full-block tokens; ``firsts``: where each prompt's blocks start among them;
+    ``salts``: each prompt's cache salt), in order: the values ``BlockKeyChain.hashes``
+    holds, computed for all prompts at once. A running sum over all blocks, less the sum
+    before each prompt, plus the prompt's chain start. uint64 [blocks]. Pure."""
+    contents = block_contents(np.concatenate(parts).reshape(-1, block_size))  # [blocks]
+    starts = np.asarray(firsts, dtype=np.int64)
+    lengths = np.diff(np.append(starts, len(contents)))
+    positions = np.arange(len(contents), dtype=np.int64) - np.repeat(starts, lengths)  # in its prompt
     with np.errstate(over="ignore"):
-        block_size = len(mult)
-        tokens = np.concatenate(parts).astype(np.uint64).reshape(-1, block_size)  # [blocks, block_size]
-        content = mix64((tokens * mult).sum(axis=1, dtype=np.uint64))  # [blocks]
-        for first, salt in salted:
-            content[first] ^= np.uint64(stable_key(salt))
-        powers, inverse_powers = _chain_powers(len(content))
-        sums = np.cumsum(content * inverse_powers, dtype=np.uint64)  # [blocks]
-        starts = np.asarray(firsts, dtype=np.int64)
-        lengths = np.diff(np.append(starts, len(content)))
+        sums = np.cumsum(block_terms(contents, positions, 0), dtype=np.uint64)
         before = np.where(starts > 0, sums[np.maximum(starts - 1, 0)], np.uint64(0))
-        return mix64(powers * (sums - np.repeat(before, lengths)))
-
-
-_CHAIN_P = np.uint64(GOLDEN64)  # odd, so invertible mod 2**64
-_CHAIN_P_INVERSE = np.uint64(pow(GOLDEN64, -1, 1 << 64))
-
-
-def _chain_powers(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """P**k and P**-k mod 2**64 for k < n (uint64 [n] each). Pure."""
-    with np.errstate(over="ignore"):
-        powers = np.cumprod(np.full(n, _CHAIN_P, dtype=np.uint64), dtype=np.uint64) * _CHAIN_P_INVERSE
-        inverse = np.cumprod(np.full(n, _CHAIN_P_INVERSE, dtype=np.uint64), dtype=np.uint64) * _CHAIN_P
-    return powers, inverse
+        chain = np.array([chain_start(salt, 0) for salt in salts], dtype=np.uint64)
+        return sums - np.repeat(before, lengths) + np.repeat(chain, lengths)
 
 
 def _prefix_reuse_metrics(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,9 +164,9 @@ def test_keyed_token_ids_hash_each_block_once_and_forks_keep_the_keys(monkeypatc
     extend = BlockKeyChain.extend
 
     def counting_extend(self, t, n):
-        before = len(self.keys)
+        before = len(self.hashes)
         extend(self, t, n)
-        hashed.append(len(self.keys) - before)
+        hashed.append(len(self.hashes) - before)
 
     monkeypatch.setattr(BlockKeyChain, "extend", counting_extend)
     for _ in range(3):  # a waiting sequence re-matched every step: keys computed once
@@ -174,16 +175,54 @@ def test_keyed_token_ids_hash_each_block_once_and_forks_keep_the_keys(monkeypatc
     m.allocate(0, tokens, 13, None)
     m.commit(0, tokens)
     assert sum(hashed) == 3  # commit continues the same chain: nothing rehashed
-    assert len(tokens.key_chain.keys) == 3 and m.prefix_index.num_cached_blocks == 3
+    assert len(tokens.key_chain.hashes) == 3 and m.prefix_index.num_cached_blocks == 3
     chain = tokens.key_chain
     child = tokens.copy()
-    assert child == tokens and child.key_chain is not chain and child.key_chain.keys == chain.keys
+    assert child == tokens and child.key_chain is not chain and child.key_chain.hashes == chain.hashes
     # A second sequence with the same prompt (a plain list) attaches the three blocks.
     assert m.num_cached_tokens(list(tokens) + [99], None) == 12
     # Same chain, different salt: a new chain (salted keys never match unsalted blocks).
     assert m.num_cached_tokens(tokens + [99], "salt") == 0
     assert tokens.chain(BS, "salt") is not chain
     m.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**17), min_size=0, max_size=16 * 24),
+    cuts=st.lists(st.integers(0, 24), max_size=4),
+    salt=st.sampled_from([None, "tenant-a"]),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_block_keys_are_the_same_however_the_chain_grows(tokens, cuts, salt, block_size):
+    """Keys computed in one numpy call, block by block in Python, or in any mix of the
+    two (a prompt's array, then decode blocks from a list) are the same values, and they
+    equal the prefix-reuse bound's (``metrics.prefix_reused_tokens``' one definition)."""
+    from kvbench.metrics import _chained_block_keys
+
+    num_full = len(tokens) // block_size
+    whole = BlockKeyChain(block_size, salt)
+    whole.extend(np.asarray(tokens, dtype=np.int64), num_full)
+    stepped = BlockKeyChain(block_size, salt)
+    for n in range(num_full + 1):
+        stepped.extend(tokens, n)  # one block at a time: the scalar path
+    keyed = KeyedTokenIds(np.asarray(tokens[: block_size * (num_full // 2)], dtype=np.int64))
+    keyed.extend(tokens[len(keyed) :])  # the array covers the first half only
+    mixed = keyed.chain(block_size, salt)
+    for n in sorted(min(c, num_full) for c in cuts) + [num_full]:
+        mixed.extend(keyed, n)
+    assert (whole.hashes, whole.checks) == (stepped.hashes, stepped.checks) == (mixed.hashes, mixed.checks)
+    assert len(whole.hashes) == num_full
+    if num_full:
+        bound = _chained_block_keys([np.asarray(tokens[: num_full * block_size])], [0], [salt], block_size)
+        assert bound.tolist() == whole.hashes
+    if num_full > 1:  # a chained key: changing the first token changes every later key
+        changed = BlockKeyChain(block_size, salt)
+        changed.extend([tokens[0] + 1] + tokens[1:], num_full)
+        assert not set(changed.hashes) & set(whole.hashes)
+    other = BlockKeyChain(block_size, "other" if salt is None else None)
+    other.extend(tokens, num_full)
+    assert not set(other.hashes) & set(whole.hashes)  # salted chains never meet unsalted
 
 
 def test_hash_index_compares_whole_keys_on_a_hash_hit():
@@ -193,7 +232,7 @@ def test_hash_index_compares_whole_keys_on_a_hash_hit():
     index.commit(0, [1, 2, 3, 4, 5, 6, 7, 8], blocks, None)
     # Forge a colliding hash entry: the stored key differs, so the lookup must miss.
     (h,) = [h for h, b in index._hash_to_block.items() if b == blocks[0]]
-    index._block_key[blocks[0]] = (None, (9, 9, 9, 9), None)
+    index._block_check[blocks[0]] += 1
     assert index.match([1, 2, 3, 4, 5], None) == NO_MATCH
     assert h in index._hash_to_block
 
