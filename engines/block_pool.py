@@ -122,6 +122,13 @@ class BlockPool:
     def is_cached(self, block_id: int) -> bool:
         return self._cached[block_id]
 
+    @property
+    def cached_flags(self) -> list[bool]:
+        """The live per-block cached flags (``is_cached`` for all blocks), for a prefix index
+        that reads them per block in its hot loops. Read only: mutate through
+        ``set_cached_many`` and friends."""
+        return self._cached
+
     def is_exclusive(self, block_id: int) -> bool:
         """Whether exactly one reference holds the block and no prefix index registered it:
         its holder may write any slot in place. The KV manager's decode fast path. Pure."""

@@ -21,14 +21,14 @@ Who holds what (the manager and the index share one ``BlockPool``):
 from __future__ import annotations
 
 import functools
-import operator
+import itertools
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from kvbench.engines.block_pool import BlockPool, gather
+from kvbench.engines.block_pool import BlockPool
 from kvbench.hashing import (
     MASK64,
     block_content_int,
@@ -209,6 +209,8 @@ class NullPrefixIndex:
 # A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys).
 # Lane 0 keys the hash map; lane 1 is compared on a hit.
 _VECTOR_MIN_BLOCKS = 8  # fewer new blocks are keyed in Python (numpy's per-call cost)
+_DEAD_ENTRIES_PER_BLOCK = 8  # dead hash map entries tolerated per pool block (plus 1,024)
+_DROP_LOG_LENGTH = 1 << 16  # dropped blocks remembered for match memos
 
 
 @functools.cache
@@ -243,7 +245,6 @@ class BlockKeyChain:
         "_starts",
         "match_owner",
         "match_blocks",
-        "match_epochs",
         "match_block_index",
         "match_num_taken",
         "match_ref_version",
@@ -258,7 +259,6 @@ class BlockKeyChain:
         self._starts = (chain_start(extra_key, 0), chain_start(extra_key, 1))
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
-        self.match_epochs: tuple[int, ...] = ()  # each block's registration epoch then
         # match_blocks' positions by block id (built lazily, trimmed on truncation), so a
         # drop is placed in O(1): decode steps evict a waiting head's cached prefix one
         # block at a time from its tail (tables are freed tail first).
@@ -441,15 +441,19 @@ class BlockHashPrefixIndex:
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
         self._block_size = 0
-        self._hash_to_block: dict[int, int] = {}  # hash(key) -> block (compared by key on a hit)
-        self._block_check: list[int | None] = []  # per block: its key's lane 1 while registered
+        # Lane 0 -> block. Dropping a registration leaves its entry behind (see
+        # _on_blocks_reused): an entry h -> b is live while the pool flags b cached and
+        # _block_hash[b] == h; dead entries are purged once they outnumber the pool.
+        self._hash_to_block: dict[int, int] = {}
+        self._cached: list[bool] = []  # the pool's cached flags (read only): b is registered
+        self._block_hash: list[int] = []  # per block: its key's lane 0 while registered
+        self._block_check: list[int] = []  # per block: its key's lane 1 while registered
+        self._num_registered = 0
+        self._max_entries = 0  # hash map entries before a purge (set by bind)
         self._seqs: dict[int, _SeqHashState] = {}
         self._num_evicted_blocks = 0
-        # Per block: how many times its registration was dropped (match memo validity).
-        self._epoch: list[int] = []
-        self._block_hash: list[int] = []
         # Recently dropped blocks, for match memos: drop number _drop_log_start + i dropped
-        # _drop_log[i]. Cleared when long (memos older than it compare epochs instead).
+        # _drop_log[i]. Cleared when long (older memos are walked again).
         self._num_drops = 0
         self._drop_log: list[int] = []
         self._drop_log_start = 0
@@ -462,9 +466,10 @@ class BlockHashPrefixIndex:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self._pool = pool
         self._block_size = block_size
-        self._epoch = [0] * pool.num_blocks
-        self._block_hash = [0] * pool.num_blocks  # its key's lane 0 while b is registered
-        self._block_check = [None] * pool.num_blocks
+        self._cached = pool.cached_flags
+        self._max_entries = (1 + _DEAD_ENTRIES_PER_BLOCK) * pool.num_blocks + 1024
+        self._block_hash = [0] * pool.num_blocks
+        self._block_check = [0] * pool.num_blocks
         pool.set_reuse_listener(self._on_blocks_reused)
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
@@ -475,8 +480,7 @@ class BlockHashPrefixIndex:
           (registrations are only dropped when the pool reuses a block). Drops since the
           memo are read from a short log and placed through a block -> position dict
           (O(drops), usually none); the memo is cut at the first dropped position. When
-          the log no longer reaches back that far, each block's registration epoch is
-          compared (O(blocks), C-level).
+          the log no longer reaches back that far, the memo is dropped and walked again.
         - the count of unreferenced matched blocks stays valid while the pool's
           ``ref_version`` is unchanged and no matched block was dropped.
         - only the walk past the memo is Python work: O(new blocks).
@@ -485,22 +489,16 @@ class BlockHashPrefixIndex:
         bs = self._block_size
         num_full = max(len(token_ids) - 1, 0) // bs
         chain = self._chain(token_ids, extra_key)
-        epoch = self._epoch
         blocks: tuple[int, ...] = ()
-        epochs: tuple[int, ...] = ()
         num_taken: int | None = 0
         if chain.match_owner is self:
-            blocks, epochs = chain.match_blocks, chain.match_epochs
+            blocks = chain.match_blocks
             num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else None
             valid = min(len(blocks), num_full)
             if valid and self._num_drops != chain.match_num_drops:
                 first_logged = chain.match_num_drops - self._drop_log_start
                 if first_logged < 0:
-                    # The log no longer reaches back: compare registration epochs.
-                    now = gather(epoch, blocks)
-                    if now != epochs:
-                        # The first block whose registration changed, found in C.
-                        valid = min(valid, list(map(operator.eq, now, epochs)).index(False))
+                    valid = 0  # the log no longer reaches back: walk again
                 else:
                     index = chain.match_block_index
                     if index is None:
@@ -513,23 +511,34 @@ class BlockHashPrefixIndex:
                 if index is not None:
                     for block in blocks[valid:]:
                         del index[block]
-                blocks, epochs, num_taken = blocks[:valid], epochs[:valid], None
-        lookup, block_check = self._hash_to_block, self._block_check
+                blocks, num_taken = blocks[:valid], None
+        lookup, cached, block_hash, block_check = (
+            self._hash_to_block,
+            self._cached,
+            self._block_hash,
+            self._block_check,
+        )
         found: list[int] = []
         if len(blocks) < num_full:
             if len(chain.hashes) < num_full:
                 chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
             hashes, checks = chain.hashes, chain.checks
             for i in range(len(blocks), num_full):
-                block = lookup.get(hashes[i])
-                if block is None or block_check[block] != checks[i]:
+                h = hashes[i]
+                block = lookup.get(h)
+                # A live entry (see __init__) whose key's lane 1 agrees.
+                if (
+                    block is None
+                    or not cached[block]
+                    or block_hash[block] != h
+                    or block_check[block] != checks[i]
+                ):
                     break
                 found.append(block)
         if found:
             if num_taken is not None:
                 num_taken += pool.num_unreferenced(found)
             blocks = blocks + tuple(found)
-            epochs = epochs + gather(epoch, tuple(found))
         if num_taken is None:
             num_taken = pool.num_unreferenced(blocks)  # cached-free blocks revived from the free list
         if chain.match_owner is not self:
@@ -537,7 +546,7 @@ class BlockHashPrefixIndex:
         elif found and chain.match_block_index is not None:
             start = len(blocks) - len(found)
             chain.match_block_index.update(zip(found, range(start, len(blocks))))
-        chain.match_owner, chain.match_blocks, chain.match_epochs = self, blocks, epochs
+        chain.match_owner, chain.match_blocks = self, blocks
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
         chain.match_num_drops = self._num_drops
@@ -608,19 +617,27 @@ class BlockHashPrefixIndex:
         if chain is None:
             chain = state.chain = self._chain(token_ids, extra_key)
         chain.extend(token_ids, num_full)
-        lookup, block_check, block_hash = self._hash_to_block, self._block_check, self._block_hash
+        lookup, cached = self._hash_to_block, self._cached
+        block_check, block_hash = self._block_check, self._block_hash
         hashes, checks = chain.hashes, chain.checks
         registered = []
         for i in range(state.num_blocks, num_full):
             h = hashes[i]
-            if h not in lookup:
+            old = lookup.get(h)
+            if old is None or not cached[old] or block_hash[old] != h:  # no live entry
                 block = block_ids[i]
                 lookup[h] = block
                 block_check[block] = checks[i]
                 block_hash[block] = h
                 registered.append(block)
         pool.set_cached_many(registered)
+        self._num_registered += len(registered)
         state.num_blocks = num_full
+        if len(lookup) > self._max_entries:
+            # Dead entries outnumber the pool several times: rebuild from the registered
+            # blocks (C-level; O(pool) per O(pool) dead entries).
+            live = list(itertools.compress(range(pool.num_blocks), cached))
+            self._hash_to_block = dict(zip(map(block_hash.__getitem__, live), live))
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:
@@ -646,41 +663,33 @@ class BlockHashPrefixIndex:
 
     def check(self) -> None:
         pool = self._bound_pool()
-        for h, block in self._hash_to_block.items():
-            assert self._block_check[block] is not None, f"hash map entry for block {block} not mirrored"
-            assert self._block_hash[block] == h, f"block {block}: stored hash disagrees with its key"
-        num_keyed = pool.num_blocks - self._block_check.count(None)
-        assert num_keyed == len(self._hash_to_block), (
-            f"{num_keyed} hashed blocks but {len(self._hash_to_block)} hash map entries"
-        )
+        lookup, block_hash = self._hash_to_block, self._block_hash
+        num_live = sum(1 for h, b in lookup.items() if pool.is_cached(b) and block_hash[b] == h)
         for block in range(pool.num_blocks):
-            assert pool.is_cached(block) == (self._block_check[block] is not None), (
-                f"block {block}: pool cached flag {pool.is_cached(block)} disagrees with the hash map"
-            )
+            if pool.is_cached(block):
+                assert lookup.get(block_hash[block]) == block, (
+                    f"block {block}: flagged cached but its key has no hash map entry for it"
+                )
+        assert num_live == self._num_registered == sum(map(pool.is_cached, range(pool.num_blocks))), (
+            f"{num_live} live hash map entries, {self._num_registered} registrations counted"
+        )
+        assert len(lookup) <= self._max_entries, f"{len(lookup)} hash map entries"
 
     # ------------------------------------------------------------------ extras
     @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the hash map (in use or cached-free)."""
-        return len(self._hash_to_block)
+        return self._num_registered
 
     def _on_blocks_reused(self, block_ids: list[int]) -> None:
-        # The pool is about to overwrite these cached-free blocks: forget them (lazy
-        # eviction), through each block's stored lane 0.
-        block_check, lookup, block_hash, epoch = (
-            self._block_check,
-            self._hash_to_block,
-            self._block_hash,
-            self._epoch,
-        )
-        for b in block_ids:
-            block_check[b] = None
-            del lookup[block_hash[b]]
-            epoch[b] += 1
+        # The pool is about to overwrite these cached-free blocks (lazy eviction). It has
+        # already cleared their cached flags, which kills their hash map entries: no
+        # per-block work here (9M blocks on the full Mooncake trace).
+        self._num_registered -= len(block_ids)
         self._num_evicted_blocks += len(block_ids)
         self._num_drops += len(block_ids)
         log = self._drop_log
-        if len(log) > 4096:
+        if len(log) > _DROP_LOG_LENGTH:
             self._drop_log_start += len(log)
             log.clear()
         log.extend(block_ids)

@@ -101,6 +101,11 @@ def test_hash_index_forgets_a_block_when_the_pool_reuses_it():
     assert index.match([1, 2, 3, 4, 5], None) == NO_MATCH
     assert index.num_evicted_blocks == 1 and index.num_cached_blocks == 0
     index.check()
+    # The dead entry (still in the hash map) does not stop the key registering again.
+    index.acquire(1, NO_MATCH)
+    index.commit(1, [1, 2, 3, 4], [b], None)
+    assert index.match([1, 2, 3, 4, 5], None).block_ids == (b,) and index.num_cached_blocks == 1
+    index.check()
 
 
 def test_hash_index_misuse():
@@ -120,8 +125,37 @@ def test_hash_index_misuse():
 def test_hash_index_check_detects_a_stale_cached_flag():
     pool, index = bound(BlockHashPrefixIndex())
     pool.set_cached(3, True)
-    with pytest.raises(AssertionError, match="block 3: pool cached flag True disagrees"):
+    with pytest.raises(AssertionError, match="block 3: flagged cached but its key has no hash map entry"):
         index.check()
+
+
+def test_hash_index_leaves_dead_entries_and_purges_them():
+    """A reused block's registration dies with its cached flag (no per-block work on
+    reuse); its hash map entry stays until dead entries outnumber the pool, and never
+    matches or blocks a later registration of the same key."""
+    pool, index = bound(BlockHashPrefixIndex(), num_blocks=2)
+    seq_id = 0
+    for round_ in range(1100):  # 1,100 distinct prompts through a 2-block pool
+        tokens = [round_, round_ + 1, round_ + 2, round_ + 3]
+        match = index.match(tokens + [0], None)
+        assert match == NO_MATCH
+        blocks = pool.allocate_many(1)
+        index.acquire(seq_id, match)
+        index.commit(seq_id, tokens, blocks, None)
+        index.release(seq_id)
+        pool.free_many(blocks)
+        seq_id += 1
+        index.check()  # bounds the hash map: 9 entries per block + 1,024
+        assert index.num_cached_blocks == 2 if round_ else 1
+    assert index.match([1099, 1100, 1101, 1102, 0], None).num_tokens == 4  # still cached
+    # Block of prompt 0 was reused long ago: its dead entry is gone or inert, and the
+    # same key registers again.
+    assert index.match([0, 1, 2, 3, 0], None) == NO_MATCH
+    blocks = pool.allocate_many(1)
+    index.acquire(seq_id, NO_MATCH)
+    index.commit(seq_id, [0, 1, 2, 3], blocks, None)
+    assert index.match([0, 1, 2, 3, 0], None).block_ids == tuple(blocks)
+    index.check()
 
 
 token_lists = st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=14), min_size=1, max_size=6)
