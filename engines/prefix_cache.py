@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -228,7 +228,7 @@ class BlockKeyChain:
     sequence grows, so keys are only ever appended. Block ``i``'s key is ``hashes[i]``
     (lane 0) and ``checks[i]`` (lane 1) of ``kvbench.hashing``'s chained block keys, which
     depend on every token up to the block's end. ``extend`` keys many new blocks in a few
-    numpy calls (from the prompt's own array when ``KeyedTokenIds`` kept it) and a few in
+    numpy calls (from the prompt's own array in an ``ArrayTokenIds``) and a few in
     Python, with the same values: O(new blocks x block_size).
 
     It also memoises the last match of the chain against one index (the ``match_*``
@@ -306,45 +306,29 @@ class BlockKeyChain:
 
 
 def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
-    """Ids ``[start, stop)`` of ``token_ids`` as a numpy array: a slice of the prompt array a
-    ``KeyedTokenIds`` (or a view over one) kept, when the range lies in it; else a copy."""
+    """Ids ``[start, stop)`` of ``token_ids`` as a numpy array: a slice of an
+    ``ArrayTokenIds``' prompt array (directly or through a view) when the range lies in
+    it, else a copy."""
     tokens, offset = token_ids, 0
     if isinstance(tokens, TokenSpan):
         tokens, offset = tokens._tokens, tokens._start
-    array = getattr(tokens, "array", None)
-    if array is not None and offset + stop <= len(array):
-        return array[offset + start : offset + stop]
+    if isinstance(tokens, ArrayTokenIds) and offset + stop <= len(tokens.array):
+        return tokens.array[offset + start : offset + stop]
     return np.asarray(token_ids[start:stop])
 
 
-class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
-    """A sequence's token ids (a plain ``list``) carrying its ``BlockKeyChain``.
+class KeyCarrier:
+    """Token ids that carry their ``BlockKeyChain`` (``KeyedTokenIds``, ``ArrayTokenIds``).
 
     The scheduler's sequences hold their tokens in one, so ``BlockHashPrefixIndex.match``
     (called for a waiting sequence every step it stays blocked) and ``commit`` reuse the
-    keys instead of rehashing the prompt. Contract: only ``append``/``extend`` mutate it
-    (which is how sequences grow); the chain covers full blocks only, so it stays valid.
-    ``copy`` (fork) copies the chain, since both copies share every full block. Built
-    from a numpy array (a trace's prompt), it keeps the array as ``array``: the same ids
-    as its first ``len(array)`` items, which the chain keys in a few numpy calls.
+    keys instead of rehashing the prompt. Contract: only ``append``/``extend`` mutate the
+    ids (which is how sequences grow); the chain covers full blocks only, so it stays
+    valid. ``copy`` (fork) copies the chain, since both copies share every full block.
     """
 
-    __slots__ = ("key_chain", "array")
-
-    def __init__(self, token_ids: Iterable[int] = ()) -> None:
-        # A numpy prompt (large traces) becomes Python ints in one C call: list(array)
-        # would hold numpy scalars, slower to hash and compare.
-        tolist = getattr(token_ids, "tolist", None)
-        super().__init__(tolist() if tolist is not None else token_ids)
-        self.key_chain: BlockKeyChain | None = None
-        self.array: np.ndarray | None = token_ids if isinstance(token_ids, np.ndarray) else None
-
-    def copy(self) -> KeyedTokenIds:  # type: ignore[override]
-        other = KeyedTokenIds(self)
-        other.array = self.array
-        if self.key_chain is not None:
-            other.key_chain = self.key_chain.copy()
-        return other
+    __slots__ = ()
+    key_chain: BlockKeyChain | None
 
     def chain(self, block_size: int, extra_key: str | None) -> BlockKeyChain:
         """The chain for this block size and extra key (a new one if those changed). Mutates
@@ -353,6 +337,92 @@ class KeyedTokenIds(list):  # type: ignore[type-arg]  # a list[int]
         if chain is None or chain.block_size != block_size or chain.extra_key != extra_key:
             chain = self.key_chain = BlockKeyChain(block_size, extra_key)
         return chain
+
+
+class KeyedTokenIds(KeyCarrier, list):  # type: ignore[type-arg]  # a list[int]
+    """A sequence's token ids as a plain ``list`` carrying its ``BlockKeyChain``."""
+
+    __slots__ = ("key_chain",)
+
+    def __init__(self, token_ids: Iterable[int] = ()) -> None:
+        # A numpy array becomes Python ints in one C call: list(array) would hold numpy
+        # scalars, slower to hash and compare.
+        tolist = getattr(token_ids, "tolist", None)
+        super().__init__(tolist() if tolist is not None else token_ids)
+        self.key_chain: BlockKeyChain | None = None
+
+    def copy(self) -> KeyedTokenIds:  # type: ignore[override]
+        other = KeyedTokenIds(self)
+        if self.key_chain is not None:
+            other.key_chain = self.key_chain.copy()
+        return other
+
+
+class ArrayTokenIds(KeyCarrier, Sequence[int]):
+    """A sequence's token ids as its prompt's numpy array (shared, never written) plus a
+    list of the ids appended since; carries its ``BlockKeyChain``.
+
+    Trace prompts arrive as numpy arrays. As Python ints they took ~10x the memory, and
+    building and freeing those lists was a tenth of a full Mooncake replay, where only
+    the prompt's block keys (computed from the array in a few numpy calls) and its length
+    are ever read in simulation. Reads behave like the equivalent list: indexing gives
+    Python ints, a slice is a new list, it compares equal to lists and views of equal
+    ids. ``append``/``extend`` are the tail list's own (C) methods.
+    """
+
+    __slots__ = ("array", "tail", "_num_array", "append", "extend", "key_chain")
+
+    def __init__(self, array: np.ndarray, tail: Iterable[int] = ()) -> None:
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError(f"ArrayTokenIds: a 1-D integer array is needed, got {array.dtype} {array.shape}")
+        self.array = array
+        self._num_array = len(array)
+        self.tail: list[int] = list(tail)
+        self.append = self.tail.append
+        self.extend = self.tail.extend
+        self.key_chain: BlockKeyChain | None = None
+
+    def __len__(self) -> int:
+        return self._num_array + len(self.tail)
+
+    def __getitem__(self, index):  # type: ignore[override]  # int -> int, slice -> list
+        num_array = self._num_array
+        if isinstance(index, slice):
+            start, stop, step = index.indices(num_array + len(self.tail))
+            if step != 1:
+                return list(self)[index]
+            if stop <= start:
+                return []
+            if stop <= num_array:
+                return self.array[start:stop].tolist()
+            if start >= num_array:
+                return self.tail[start - num_array : stop - num_array]
+            return self.array[start:].tolist() + self.tail[: stop - num_array]
+        size = num_array + len(self.tail)
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError(f"ArrayTokenIds index {index} out of range({size})")
+        return int(self.array[index]) if index < num_array else self.tail[index - num_array]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.array.tolist(), self.tail)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, TokenSpan, ArrayTokenIds)):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def copy(self) -> ArrayTokenIds:
+        other = ArrayTokenIds(self.array, self.tail)
+        if self.key_chain is not None:
+            other.key_chain = self.key_chain.copy()
+        return other
+
+    def __repr__(self) -> str:
+        return f"ArrayTokenIds(len={len(self)}, prompt={self._num_array})"
 
 
 class TokenSpan(Sequence[int]):
@@ -389,7 +459,7 @@ class TokenSpan(Sequence[int]):
 
     def __eq__(self, other: object) -> bool:
         # Compares like the list slice it stands for (chunks hold one or the other).
-        if isinstance(other, (list, TokenSpan)):
+        if isinstance(other, (list, TokenSpan, ArrayTokenIds)):
             return len(other) == len(self) and list(self) == list(other)
         return NotImplemented
 
@@ -552,7 +622,7 @@ class BlockHashPrefixIndex:
         chain.match_num_drops = self._num_drops
         if not blocks:
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
-            return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyedTokenIds) else NO_MATCH
+            return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
         return PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
 
     def match_watch(
@@ -569,7 +639,7 @@ class BlockHashPrefixIndex:
         """
         match = self.match(token_ids, extra_key)
         num_matched = len(match.block_ids)
-        chain = self._chain(token_ids, extra_key)  # the memo's chain (KeyedTokenIds) or a new one
+        chain = self._chain(token_ids, extra_key)  # the memo's chain (a KeyCarrier's) or a new one
         if num_matched < max(len(token_ids) - 1, 0) // self._block_size:  # the match may grow
             chain.extend(token_ids, num_matched)  # no-op for the memo's chain
             hashes = chain.hashes
@@ -695,8 +765,8 @@ class BlockHashPrefixIndex:
         log.extend(block_ids)
 
     def _chain(self, token_ids: Sequence[int], extra_key: str | None) -> BlockKeyChain:
-        """The key chain ``token_ids`` carries (KeyedTokenIds), else a throwaway one."""
-        if isinstance(token_ids, KeyedTokenIds):
+        """The key chain ``token_ids`` carries (a KeyCarrier), else a throwaway one."""
+        if isinstance(token_ids, KeyCarrier):
             return token_ids.chain(self._block_size, extra_key)
         return BlockKeyChain(self._block_size, extra_key)
 

@@ -488,7 +488,7 @@ class Scheduler:
     def _head_may_start(self, budget: int) -> bool:
         """Whether ``_admit_waiting`` with ``budget`` tokens left could admit the head (or
         do anything at all) after this step's decode slots were reserved. Pure apart from
-        materializing the head's prompt and the prefix index's match memo; answers True
+        the prefix index's match memo; answers True
         whenever unsure (a multi-sequence head), which only ends a run early."""
         if not self.waiting or budget <= 0:
             return False
@@ -497,7 +497,6 @@ class Scheduler:
             return False
         if len(group.seqs) != 1:
             return True
-        group.materialize()
         kv = self.kv
         seq = group.seqs[0]
         salt = group.request.cache_salt
@@ -654,7 +653,6 @@ class Scheduler:
             group = self.waiting[0]
             if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
                 return
-            group.materialize()
             hold_last = group.is_beam and group.has_forked
             salt = group.request.cache_salt
             admitted: list[Sequence] = []

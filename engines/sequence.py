@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import enum
 
-from kvbench.engines.prefix_cache import KeyedTokenIds
+import numpy as np
+
+from kvbench.engines.prefix_cache import ArrayTokenIds, KeyCarrier, KeyedTokenIds
 from kvbench.types import FinishedRequest, Request
 
 
@@ -33,8 +35,8 @@ class GroupStatus(enum.Enum):
 class Sequence:
     """One token stream (a sample or a beam). Mutable; owned by its group.
 
-    ``token_ids`` is a ``KeyedTokenIds`` list, except for a waiting prompt that still holds
-    the request's read-only numpy array (``SequenceGroup.materialize`` converts it)."""
+    ``token_ids`` is a ``KeyCarrier``: a ``KeyedTokenIds`` list, or an ``ArrayTokenIds``
+    over the request's numpy prompt (large traces)."""
 
     __slots__ = (
         "seq_id",
@@ -72,8 +74,8 @@ class Sequence:
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
         """A copy with a new id: same tokens, same computed prefix (its KV is shared)."""
         tokens = self.token_ids
-        # KeyedTokenIds.copy keeps the full blocks' prefix-cache keys (shared by both).
-        copied = tokens.copy() if isinstance(tokens, KeyedTokenIds) else list(tokens)
+        # A KeyCarrier's copy keeps the full blocks' prefix-cache keys (shared by both).
+        copied = tokens.copy() if isinstance(tokens, KeyCarrier) else list(tokens)
         child = Sequence(seq_id, sample_index, copied, self.num_prompt_tokens)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_lost_tokens = self.num_lost_tokens
@@ -118,11 +120,12 @@ class SequenceGroup:
         self.eos_token_id = eos_token_id
         self.arrival_index = arrival_index
         # Append-only token ids that remember their prefix-cache block keys (computed once).
-        # A numpy prompt (large traces) stays the request's array until ``materialize``:
-        # as Python ints it takes ~10x the memory, and an overloaded replay keeps most of
-        # a trace waiting (the full Mooncake trace held 6.9 GB of prompt lists).
+        # A numpy prompt (large traces) stays the request's array (ArrayTokenIds): as
+        # Python ints it takes ~10x the memory (the full Mooncake trace held 6.9 GB of
+        # prompt lists while waiting), and building the lists cost more than the replay
+        # reads of them.
         prompt = request.prompt_token_ids
-        tokens = prompt if hasattr(prompt, "tolist") else KeyedTokenIds(prompt)
+        tokens = ArrayTokenIds(prompt) if isinstance(prompt, np.ndarray) else KeyedTokenIds(prompt)
         self.seqs: list[Sequence] = [Sequence(first_seq_id, 0, tokens, len(prompt))]
         self.status = GroupStatus.WAITING
         self.has_forked = False
@@ -134,14 +137,6 @@ class SequenceGroup:
         self.was_scheduled = False
         self.peak_kv_slots = 0
         self.peak_kv_slots_unshared = 0
-
-    def materialize(self) -> None:
-        """Turn a prompt still held as the request's numpy array into ``KeyedTokenIds``
-        (appendable, carrying its prefix keys). The scheduler calls it before it reads a
-        waiting group's tokens (admission); a no-op once done. Mutates ``seqs[*].token_ids``."""
-        for seq in self.seqs:
-            if type(seq.token_ids) is not KeyedTokenIds:
-                seq.token_ids = KeyedTokenIds(seq.token_ids)
 
     @property
     def request_id(self) -> str:

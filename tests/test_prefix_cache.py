@@ -11,11 +11,13 @@ from kvbench.engines.block_pool import BlockPool
 from kvbench.engines.kv_manager import PagedKVManager
 from kvbench.engines.prefix_cache import (
     NO_MATCH,
+    ArrayTokenIds,
     BlockHashPrefixIndex,
     BlockKeyChain,
     KeyedTokenIds,
     NullPrefixIndex,
     PrefixIndex,
+    TokenPrefix,
 )
 from kvbench.engines.radix_cache import RadixPrefixIndex
 
@@ -240,7 +242,7 @@ def test_block_keys_are_the_same_however_the_chain_grows(tokens, cuts, salt, blo
     stepped = BlockKeyChain(block_size, salt)
     for n in range(num_full + 1):
         stepped.extend(tokens, n)  # one block at a time: the scalar path
-    keyed = KeyedTokenIds(np.asarray(tokens[: block_size * (num_full // 2)], dtype=np.int64))
+    keyed = ArrayTokenIds(np.asarray(tokens[: block_size * (num_full // 2)], dtype=np.int64))
     keyed.extend(tokens[len(keyed) :])  # the array covers the first half only
     mixed = keyed.chain(block_size, salt)
     for n in sorted(min(c, num_full) for c in cuts) + [num_full]:
@@ -257,6 +259,47 @@ def test_block_keys_are_the_same_however_the_chain_grows(tokens, cuts, salt, blo
     other = BlockKeyChain(block_size, "other" if salt is None else None)
     other.extend(tokens, num_full)
     assert not set(other.hashes) & set(whole.hashes)  # salted chains never meet unsalted
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 2**31 - 1), max_size=12),
+    appended=st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=4),
+    probes=st.lists(st.integers(-20, 20), max_size=6),
+    cuts=st.lists(
+        st.tuples(
+            st.integers(-20, 20) | st.none(),
+            st.integers(-20, 20) | st.none(),
+            st.sampled_from([None, 1, 2, -1]),
+        ),
+        max_size=6,
+    ),
+)
+def test_array_token_ids_read_like_the_list(prompt, appended, probes, cuts):
+    array = np.asarray(prompt, dtype=np.int64)
+    array.setflags(write=False)  # never written: it is the request's own prompt
+    ids, reference = ArrayTokenIds(array), list(prompt)
+    for tokens in appended:
+        if len(tokens) == 1:
+            ids.append(tokens[0])
+            reference.append(tokens[0])
+        else:
+            ids.extend(tokens)
+            reference.extend(tokens)
+        assert len(ids) == len(reference) and list(ids) == reference and ids == reference
+    for i in probes:
+        if -len(reference) <= i < len(reference):
+            assert ids[i] == reference[i] and type(ids[i]) is int
+        else:
+            with pytest.raises(IndexError):
+                ids[i]
+    for start, stop, step in cuts:
+        assert ids[start:stop:step] == reference[start:stop:step]
+        assert all(type(t) is int for t in ids[start:stop:step])
+    copy = ids.copy()
+    copy.append(1)
+    assert ids == reference and copy == reference + [1] and copy != ids
+    assert TokenPrefix(ids, len(reference)) == reference and ids == TokenPrefix(reference, len(reference))
 
 
 def test_hash_index_compares_whole_keys_on_a_hash_hit():

@@ -371,7 +371,7 @@ def _drive_prompts(prompts: list, chunk_contents: bool = True) -> tuple[list[tup
     return steps, waiting_types
 
 
-def test_numpy_prompts_stay_arrays_until_admitted_and_schedule_like_tuples():
+def test_numpy_prompts_stay_their_arrays_and_schedule_like_tuples():
     np = pytest.importorskip("numpy")
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 20, 21], [30, 31, 32]]
     arrays = []
@@ -382,10 +382,13 @@ def test_numpy_prompts_stay_arrays_until_admitted_and_schedule_like_tuples():
     steps_np, waiting_np = _drive_prompts(arrays)
     steps_tuple, _ = _drive_prompts([tuple(p) for p in prompts])
     assert steps_np == steps_tuple
-    # Step 1 admits r0 only (one sequence at a time): r1 and r2 still hold their arrays.
-    # A waiting head is materialized when admission looks at it, the rest never earlier.
-    assert waiting_np[0] == ["ndarray", "ndarray"]
-    assert all(types[1:] == ["ndarray"] * (len(types) - 1) for types in waiting_np)
+    # Every sequence of a numpy prompt reads the request's own array (no list copy).
+    assert all(types == ["ArrayTokenIds"] * len(types) for types in waiting_np)
+    assert all(len(types) == 2 for types in waiting_np[:1])
+    from kvbench.engines.sequence import SequenceGroup
+
+    group = SequenceGroup(Request("r", 0.0, arrays[0], 3), 0, 0, eos_token_id=2)
+    assert group.seqs[0].token_ids.array is arrays[0]
 
 
 def test_chunks_without_contents_schedule_the_same_tokens_without_tables():
