@@ -62,16 +62,45 @@ def block_multipliers(block_size: int) -> np.ndarray:
 
 def block_contents(tokens: np.ndarray) -> np.ndarray:
     """c_j of each row of ``tokens`` (int [blocks, block_size]). uint64 [blocks]. Pure."""
-    with np.errstate(over="ignore"):
-        mult = block_multipliers(tokens.shape[1])
-        return mix64((tokens.astype(np.uint64) * mult).sum(axis=1, dtype=np.uint64))
+    # einsum casts the ids chunk by chunk through its buffer (no uint64 copy of a 100K-
+    # token prompt); negative ids wrap as astype would.
+    contents = np.einsum(
+        "ij,j->i", tokens, block_multipliers(tokens.shape[1]), dtype=np.uint64, casting="unsafe"
+    )
+    _mix64_in_place(contents, np.empty_like(contents))
+    return contents
 
 
-def block_terms(contents: np.ndarray, positions: np.ndarray, lane: int) -> np.ndarray:
-    """u_j of each block for ``lane`` (contents, positions: [blocks]). uint64 [blocks]. Pure."""
+def block_terms(
+    contents: np.ndarray, positions: np.ndarray, lane: int, scratch: np.ndarray | None = None
+) -> np.ndarray:
+    """u_j of each block for ``lane`` (contents, positions: [blocks]; ``scratch``: any
+    uint64 [blocks] to overwrite). A new uint64 array [blocks]. Pure."""
+    terms = positions.astype(np.uint64)  # a copy, written in place below
     with np.errstate(over="ignore"):
-        steps = positions.astype(np.uint64) * np.uint64(LANE_STEPS[lane]) + np.uint64(LANE_SEEDS[lane])
-        return mix64(contents + steps)
+        terms *= np.uint64(LANE_STEPS[lane])
+        terms += np.uint64(LANE_SEEDS[lane])
+        terms += contents
+    _mix64_in_place(terms, np.empty_like(terms) if scratch is None else scratch)
+    return terms
+
+
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+_MULTIPLIERS = (np.uint64(_MIX_1), np.uint64(_MIX_2))
+
+
+def _mix64_in_place(x: np.ndarray, scratch: np.ndarray) -> None:
+    """``mix64`` written into ``x`` (uint64), using ``scratch`` (same shape): no new
+    arrays, which for a whole prompt's blocks cost more than the arithmetic."""
+    with np.errstate(over="ignore"):
+        np.right_shift(x, _SHIFTS[0], out=scratch)
+        x ^= scratch
+        x *= _MULTIPLIERS[0]
+        np.right_shift(x, _SHIFTS[1], out=scratch)
+        x ^= scratch
+        x *= _MULTIPLIERS[1]
+        np.right_shift(x, _SHIFTS[2], out=scratch)
+        x ^= scratch
 
 
 def chain_start(salt: str | None, lane: int) -> int:
@@ -90,10 +119,13 @@ def chained_block_keys(
     them (the previous block's key, or ``chain_start``). Python int lists [blocks]. Pure."""
     contents = block_contents(tokens)
     positions = np.arange(first_position, first_position + len(tokens), dtype=np.uint64)
+    scratch = np.empty_like(contents)
     lanes = []
     with np.errstate(over="ignore"):
         for lane, start in enumerate(starts):
-            keys = np.cumsum(block_terms(contents, positions, lane), dtype=np.uint64) + np.uint64(start)
+            keys = block_terms(contents, positions, lane, scratch)
+            np.cumsum(keys, out=keys)
+            keys += np.uint64(start)
             lanes.append(keys.tolist())
     return lanes[0], lanes[1]
 
