@@ -20,7 +20,6 @@ Who holds what (the manager and the index share one ``BlockPool``):
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,14 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from kvbench.engines.block_pool import BlockPool
-from kvbench.hashing import (
-    MASK64,
-    block_content_int,
-    block_multipliers,
-    block_term_int,
-    chain_start,
-    chained_block_keys,
-)
+from kvbench.hashing import chain_start, chained_block_keys, chained_block_keys_int
 
 
 @dataclass(frozen=True)
@@ -213,12 +205,6 @@ _DEAD_ENTRIES_PER_BLOCK = 8  # dead hash map entries tolerated per pool block (p
 _DROP_LOG_LENGTH = 1 << 16  # dropped blocks remembered for match memos
 
 
-@functools.cache
-def _multipliers(block_size: int) -> tuple[int, ...]:
-    """``block_multipliers`` as Python ints, for the scalar key path. Pure (memoised)."""
-    return tuple(block_multipliers(block_size).tolist())
-
-
 class BlockKeyChain:
     """The chained keys of a token sequence's full blocks, computed once.
 
@@ -284,18 +270,14 @@ class BlockKeyChain:
             hashes.extend(new_a)
             checks.extend(new_b)
             return
-        # One slice for all new blocks (a TokenPrefix view slices in one call), cut into
-        # per-block tuples by zip over one iterator (C-level). Python ints: numpy scalars
-        # would overflow in the 64-bit products.
-        multipliers = _multipliers(bs)
+        # One slice for all new blocks (a TokenPrefix view slices in one call). Python
+        # ints: numpy scalars would overflow in the 64-bit products.
         ids = token_ids[first * bs : num_blocks * bs]
-        span = iter(ids.tolist() if isinstance(ids, np.ndarray) else ids)
-        for position, block in enumerate(zip(*[span] * bs), first):
-            content = block_content_int(block, multipliers)
-            a = (a + block_term_int(content, position, 0)) & MASK64
-            b = (b + block_term_int(content, position, 1)) & MASK64
-            hashes.append(a)
-            checks.append(b)
+        new_a, new_b = chained_block_keys_int(
+            ids.tolist() if isinstance(ids, np.ndarray) else ids, bs, first, (a, b)
+        )
+        hashes.extend(new_a)
+        checks.extend(new_b)
 
     def copy(self) -> BlockKeyChain:
         """An independent chain with the same keys (a fork shares every full block)."""

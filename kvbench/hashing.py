@@ -8,6 +8,7 @@ and metrics key prompt blocks; all need hashes that are the same in every proces
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from collections.abc import Sequence
@@ -137,11 +138,40 @@ def mix64_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def block_content_int(block: Sequence[int], multipliers: Sequence[int]) -> int:
-    """``block_contents`` of one block (``multipliers``: ``block_multipliers`` as ints). Pure."""
-    return mix64_int(sum(map(operator.mul, block, multipliers)) & MASK64)
+@functools.cache
+def _int_multipliers(block_size: int) -> tuple[int, ...]:
+    """``block_multipliers`` as Python ints (memoised: a pure function of the size)."""
+    return tuple(block_multipliers(block_size).tolist())
 
 
-def block_term_int(content: int, position: int, lane: int) -> int:
-    """``block_terms`` of one block. Pure."""
-    return mix64_int((content + position * LANE_STEPS[lane] + LANE_SEEDS[lane]) & MASK64)
+def chained_block_keys_int(
+    token_ids: Sequence[int], block_size: int, first_position: int, starts: tuple[int, int]
+) -> tuple[list[int], list[int]]:
+    """``chained_block_keys`` in plain Python, for a few blocks at a time (a decode step
+    filling one block): ``token_ids`` (Python ints) are whole blocks ``first_position ..``.
+    The same values bit for bit; mixing inlined, as this runs once per generated block.
+    Python int lists [blocks]. Pure."""
+    multipliers = _int_multipliers(block_size)
+    step_a, step_b = LANE_STEPS
+    seed_a, seed_b = LANE_SEEDS
+    a, b = starts
+    keys_a: list[int] = []
+    keys_b: list[int] = []
+    mask, mix_1, mix_2, mul = MASK64, _MIX_1, _MIX_2, operator.mul
+    span = iter(token_ids)
+    for position, block in enumerate(zip(*[span] * block_size), first_position):
+        x = sum(map(mul, block, multipliers)) & mask
+        x = ((x ^ (x >> 30)) * mix_1) & mask
+        x = ((x ^ (x >> 27)) * mix_2) & mask
+        content = x ^ (x >> 31)
+        x = (content + position * step_a + seed_a) & mask
+        x = ((x ^ (x >> 30)) * mix_1) & mask
+        x = ((x ^ (x >> 27)) * mix_2) & mask
+        a = (a + (x ^ (x >> 31))) & mask
+        x = (content + position * step_b + seed_b) & mask
+        x = ((x ^ (x >> 30)) * mix_1) & mask
+        x = ((x ^ (x >> 27)) * mix_2) & mask
+        b = (b + (x ^ (x >> 31))) & mask
+        keys_a.append(a)
+        keys_b.append(b)
+    return keys_a, keys_b
