@@ -190,16 +190,11 @@ class NullPrefixIndex:
         return None
 
 
-# A block's key: (hash of the parent block's key or None for the first block, the hash
-# of the block's token-id tuple, extra_key). The index maps a key's 64-bit hash to its
-# block and compares the whole key on every hit, so a collision of chained hashes never
-# aliases; two different blocks after the same parent alias only if their 64-bit
-# token-tuple hashes collide (~2**-64 per pair for non-adversarial ids). Keeping the
-# token tuple itself in the key would make it exact, but holding and later freeing 16
-# token ints per registered block cost ~10 % of a long simulated trace; vLLM accepts a
-# single 64-bit hash with its builtin-hash option.
-# A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys).
-# Lane 0 keys the hash map; lane 1 is compared on a hit.
+# A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys,
+# shared with the prefix-reuse bound). Lane 0 keys the hash map; lane 1 is compared on a
+# hit. Keeping the block's token ids in the key would make hits exact, but holding and
+# later freeing 16 token ints per registered block cost ~10 % of a long simulated trace;
+# vLLM likewise trusts a hash (64-bit builtin or sha256).
 _VECTOR_MIN_BLOCKS = 8  # fewer new blocks are keyed in Python (numpy's per-call cost)
 _DEAD_ENTRIES_PER_BLOCK = 8  # dead hash map entries tolerated per pool block (plus 1,024)
 _DROP_LOG_LENGTH = 1 << 16  # dropped blocks remembered for match memos
@@ -270,12 +265,12 @@ class BlockKeyChain:
             hashes.extend(new_a)
             checks.extend(new_b)
             return
-        # One slice for all new blocks (a TokenPrefix view slices in one call). Python
-        # ints: numpy scalars would overflow in the 64-bit products.
+        # One slice for all new blocks (a TokenPrefix view slices in one call), as Python
+        # ints: numpy integers overflow in the 64-bit products.
         ids = token_ids[first * bs : num_blocks * bs]
-        new_a, new_b = chained_block_keys_int(
-            ids.tolist() if isinstance(ids, np.ndarray) else ids, bs, first, (a, b)
-        )
+        if not isinstance(token_ids, (KeyCarrier, TokenSpan)):  # a caller's list, tuple or array
+            ids = [int(t) for t in ids]
+        new_a, new_b = chained_block_keys_int(ids, bs, first, (a, b))
         hashes.extend(new_a)
         checks.extend(new_b)
 
@@ -327,10 +322,13 @@ class KeyedTokenIds(KeyCarrier, list):  # type: ignore[type-arg]  # a list[int]
     __slots__ = ("key_chain",)
 
     def __init__(self, token_ids: Iterable[int] = ()) -> None:
-        # A numpy array becomes Python ints in one C call: list(array) would hold numpy
-        # scalars, slower to hash and compare.
+        # Python ints throughout: block keys multiply ids by 64-bit constants, which
+        # numpy integers (from an array, or a tuple of its items) would overflow. An array
+        # converts in one C call.
         tolist = getattr(token_ids, "tolist", None)
         super().__init__(tolist() if tolist is not None else token_ids)
+        if not all(type(t) is int for t in self):
+            self[:] = [int(t) for t in self]
         self.key_chain: BlockKeyChain | None = None
 
     def copy(self) -> KeyedTokenIds:  # type: ignore[override]
@@ -347,9 +345,11 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
     Trace prompts arrive as numpy arrays. As Python ints they took ~10x the memory, and
     building and freeing those lists was a tenth of a full Mooncake replay, where only
     the prompt's block keys (computed from the array in a few numpy calls) and its length
-    are ever read in simulation. Reads behave like the equivalent list: indexing gives
-    Python ints, a slice is a new list, it compares equal to lists and views of equal
-    ids. ``append``/``extend`` are the tail list's own (C) methods.
+    are ever read in simulation. Reads behave like the equivalent list: ``len``,
+    iteration, indexing (Python ints), slicing (a new list), ``==`` with lists and views
+    of equal ids, ``copy`` (also ``copy.copy``/``deepcopy``); list arithmetic (``+``,
+    ``*``) and ordering are not offered. ``append``/``extend`` are the tail list's own
+    (C) methods.
     """
 
     __slots__ = ("array", "tail", "_num_array", "append", "extend", "key_chain")
@@ -402,6 +402,14 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
         if self.key_chain is not None:
             other.key_chain = self.key_chain.copy()
         return other
+
+    # copy.copy / copy.deepcopy: a new tail (its own append/extend), as for a list; the
+    # read-only prompt array is shared.
+    def __copy__(self) -> ArrayTokenIds:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ArrayTokenIds:
+        return self.copy()
 
     def __repr__(self) -> str:
         return f"ArrayTokenIds(len={len(self)}, prompt={self._num_array})"
@@ -495,7 +503,8 @@ class BlockHashPrefixIndex:
         self._block_size = 0
         # Lane 0 -> block. Dropping a registration leaves its entry behind (see
         # _on_blocks_reused): an entry h -> b is live while the pool flags b cached and
-        # _block_hash[b] == h; dead entries are purged once they outnumber the pool.
+        # _block_hash[b] == h; dead entries are purged once the map holds more than
+        # _max_entries (8 per pool block beyond the live ones, plus 1,024).
         self._hash_to_block: dict[int, int] = {}
         self._cached: list[bool] = []  # the pool's cached flags (read only): b is registered
         self._block_hash: list[int] = []  # per block: its key's lane 0 while registered
@@ -530,7 +539,7 @@ class BlockHashPrefixIndex:
 
         - memoised blocks stay registered under the same keys unless one was dropped
           (registrations are only dropped when the pool reuses a block). Drops since the
-          memo are read from a short log and placed through a block -> position dict
+          memo are read from the drop log and placed through a block -> position dict
           (O(drops), usually none); the memo is cut at the first dropped position. When
           the log no longer reaches back that far, the memo is dropped and walked again.
         - the count of unreferenced matched blocks stays valid while the pool's

@@ -18,6 +18,7 @@ Token bookkeeping of one sequence::
 from __future__ import annotations
 
 import enum
+from collections.abc import MutableSequence
 
 import numpy as np
 
@@ -48,7 +49,9 @@ class Sequence:
         "cum_logprob",
     )
 
-    def __init__(self, seq_id: int, sample_index: int, token_ids: list[int], num_prompt_tokens: int) -> None:
+    def __init__(
+        self, seq_id: int, sample_index: int, token_ids: MutableSequence[int], num_prompt_tokens: int
+    ) -> None:
         self.seq_id = seq_id
         self.sample_index = sample_index
         self.token_ids = token_ids
@@ -125,7 +128,8 @@ class SequenceGroup:
         # prompt lists while waiting), and building the lists cost more than the replay
         # reads of them.
         prompt = request.prompt_token_ids
-        tokens = ArrayTokenIds(prompt) if isinstance(prompt, np.ndarray) else KeyedTokenIds(prompt)
+        integer_array = isinstance(prompt, np.ndarray) and prompt.dtype.kind in "iu"
+        tokens = ArrayTokenIds(prompt) if integer_array else KeyedTokenIds(prompt)
         self.seqs: list[Sequence] = [Sequence(first_seq_id, 0, tokens, len(prompt))]
         self.status = GroupStatus.WAITING
         self.has_forked = False

@@ -45,10 +45,13 @@ def stable_key(text: str) -> int:
 # so block i's key depends on every token before its end (a chained key, as vLLM's
 # parent-hash chain) while a whole prompt's keys come from a few numpy calls (a cumulative
 # sum, not a sequential loop of hashes). Two lanes: lane 0 is the dict key, lane 1 is
-# compared on a hit, so a false hit needs two independent 64-bit sums to collide. Not
-# collision resistant against a crafted prompt (nor is Python's ``hash`` of int tuples);
-# the same in every process. The scalar twins below give the same values bit for bit, for
-# sequences that grow a block at a time.
+# compared on a hit. For ids that are not crafted against it, a false hit has probability
+# ~2**-64 per pair of blocks. It is not collision resistant: both lanes share c_j, a
+# linear sum of the ids, and lattice reduction finds two blocks with equal c_j (so equal
+# keys) in seconds; a cache shared by mutually distrusting tenants should salt prompts
+# (``cache_salt``) or use a cryptographic key, as vLLM's sha256 option does. The same in
+# every process. The scalar twins below give the same values bit for bit, for sequences
+# that grow a block at a time.
 
 LANE_SEEDS = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)
 LANE_STEPS = (GOLDEN64, 0xD1B54A32D192ED03)  # odd: distinct positions stay distinct
@@ -106,7 +109,7 @@ def _mix64_in_place(x: np.ndarray, scratch: np.ndarray) -> None:
 
 def chain_start(salt: str | None, lane: int) -> int:
     """The key sum before a sequence's first block: 0 unsalted, else a mix of the salt's
-    stable key (so salted and unsalted chains never meet). Pure."""
+    stable key (so salted and unsalted chains meet only by a 64-bit chance). Pure."""
     if salt is None:
         return 0
     return mix64_int((stable_key(salt) + LANE_SEEDS[lane]) & MASK64)

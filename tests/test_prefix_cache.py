@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy as copy_module
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -256,6 +258,10 @@ def test_block_keys_are_the_same_however_the_chain_grows(tokens, cuts, salt, blo
         changed = BlockKeyChain(block_size, salt)
         changed.extend([tokens[0] + 1] + tokens[1:], num_full)
         assert not set(changed.hashes) & set(whole.hashes)
+    as_numpy_ints = BlockKeyChain(block_size, salt)  # a tuple of numpy integers: same keys
+    for n in range(num_full + 1):
+        as_numpy_ints.extend(tuple(np.asarray(tokens, dtype=np.int64)), n)
+    assert as_numpy_ints.hashes == whole.hashes
     other = BlockKeyChain(block_size, "other" if salt is None else None)
     other.extend(tokens, num_full)
     assert not set(other.hashes) & set(whole.hashes)  # salted chains never meet unsalted
@@ -296,18 +302,18 @@ def test_array_token_ids_read_like_the_list(prompt, appended, probes, cuts):
     for start, stop, step in cuts:
         assert ids[start:stop:step] == reference[start:stop:step]
         assert all(type(t) is int for t in ids[start:stop:step])
-    copy = ids.copy()
-    copy.append(1)
-    assert ids == reference and copy == reference + [1] and copy != ids
+    for copy in (ids.copy(), copy_module.copy(ids), copy_module.deepcopy(ids)):
+        copy.append(1)
+        assert ids == reference and copy == reference + [1] and copy != ids
     assert TokenPrefix(ids, len(reference)) == reference and ids == TokenPrefix(reference, len(reference))
 
 
-def test_hash_index_compares_whole_keys_on_a_hash_hit():
+def test_hash_index_compares_the_second_lane_on_a_hash_hit():
     pool, index = bound(BlockHashPrefixIndex())
     blocks = pool.allocate_many(2)
     index.acquire(0, NO_MATCH)
     index.commit(0, [1, 2, 3, 4, 5, 6, 7, 8], blocks, None)
-    # Forge a colliding hash entry: the stored key differs, so the lookup must miss.
+    # Forge a lane-0 collision: the stored lane 1 differs, so the lookup must miss.
     (h,) = [h for h, b in index._hash_to_block.items() if b == blocks[0]]
     index._block_check[blocks[0]] += 1
     assert index.match([1, 2, 3, 4, 5], None) == NO_MATCH

@@ -389,6 +389,9 @@ def test_numpy_prompts_stay_their_arrays_and_schedule_like_tuples():
 
     group = SequenceGroup(Request("r", 0.0, arrays[0], 3), 0, 0, eos_token_id=2)
     assert group.seqs[0].token_ids.array is arrays[0]
+    # A non-integer array (outside Request's contract) still becomes a list, as before.
+    odd = SequenceGroup(Request("f", 0.0, np.asarray([3.0, 4.0]), 3), 0, 0, eos_token_id=2)
+    assert odd.seqs[0].token_ids == [3.0, 4.0]
 
 
 def test_chunks_without_contents_schedule_the_same_tokens_without_tables():

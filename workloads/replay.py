@@ -201,9 +201,10 @@ class _HashBlockIds:
         self._ids: dict[tuple[int, int], np.ndarray] = {}
 
     def prefetch(self, blocks: Iterable[tuple[int, int]]) -> None:
-        """Compute the ids of these (hash id, length) blocks not cached yet, a few thousand
-        blocks per vectorised call: per-prompt calls cost ~2 s of numpy overhead on the
-        Mooncake conversation trace. Mutates the cache."""
+        """Compute the ids of these (hash id, length) blocks not cached yet, _PREFETCH_BLOCKS
+        per vectorised call: per-prompt calls cost ~0.6 s more of numpy overhead on the
+        Mooncake conversation trace, and bigger batches fall out of cache. Mutates the
+        cache."""
         cache = self._ids
         missing = list(dict.fromkeys(block for block in blocks if block not in cache))
         for start in range(0, len(missing), _PREFETCH_BLOCKS):
