@@ -38,7 +38,7 @@ def stable_key(text: str) -> int:
 # (``metrics.prefix_reused_tokens``) share this one definition. A full block of
 # ``block_size`` token ids at position ``j`` of its sequence (0: the first block) has
 #
-#   content  c_j  = mix64(sum_k t_jk * BLOCK_MULTIPLIERS[k])            (wrapping)
+#   content  c_j  = sum_k t_jk * BLOCK_MULTIPLIERS[k]                   (wrapping)
 #   term     u_j  = mix64(c_j + j * LANE_STEPS[lane] + LANE_SEEDS[lane])  per lane
 #   key      K_i  = chain_start(salt, lane) + sum_{j <= i} u_j           (mod 2**64)
 #
@@ -59,20 +59,20 @@ _MIX_1 = 0xBF58476D1CE4E5B9
 _MIX_2 = 0x94D049BB133111EB
 
 
+@functools.cache
 def block_multipliers(block_size: int) -> np.ndarray:
-    """Per-slot odd multipliers of a block's content sum. uint64 [block_size]. Pure."""
-    return mix64(np.arange(1, block_size + 1, dtype=np.uint64)) | np.uint64(1)
+    """Per-slot odd multipliers of a block's content sum. Read-only uint64 [block_size];
+    memoised (a pure function of the size, asked for once per prompt)."""
+    multipliers = mix64(np.arange(1, block_size + 1, dtype=np.uint64)) | np.uint64(1)
+    multipliers.flags.writeable = False
+    return multipliers
 
 
 def block_contents(tokens: np.ndarray) -> np.ndarray:
     """c_j of each row of ``tokens`` (int [blocks, block_size]). uint64 [blocks]. Pure."""
     # einsum casts the ids chunk by chunk through its buffer (no uint64 copy of a 100K-
     # token prompt); negative ids wrap as astype would.
-    contents = np.einsum(
-        "ij,j->i", tokens, block_multipliers(tokens.shape[1]), dtype=np.uint64, casting="unsafe"
-    )
-    _mix64_in_place(contents, np.empty_like(contents))
-    return contents
+    return np.einsum("ij,j->i", tokens, block_multipliers(tokens.shape[1]), dtype=np.uint64, casting="unsafe")
 
 
 def block_terms(
@@ -81,10 +81,9 @@ def block_terms(
     """u_j of each block for ``lane`` (contents, positions: [blocks]; ``scratch``: any
     uint64 [blocks] to overwrite). A new uint64 array [blocks]. Pure."""
     terms = positions.astype(np.uint64)  # a copy, written in place below
-    with np.errstate(over="ignore"):
-        terms *= np.uint64(LANE_STEPS[lane])
-        terms += np.uint64(LANE_SEEDS[lane])
-        terms += contents
+    terms *= np.uint64(LANE_STEPS[lane])
+    terms += np.uint64(LANE_SEEDS[lane])
+    terms += contents
     _mix64_in_place(terms, np.empty_like(terms) if scratch is None else scratch)
     return terms
 
@@ -94,17 +93,17 @@ _MULTIPLIERS = (np.uint64(_MIX_1), np.uint64(_MIX_2))
 
 
 def _mix64_in_place(x: np.ndarray, scratch: np.ndarray) -> None:
-    """``mix64`` written into ``x`` (uint64), using ``scratch`` (same shape): no new
-    arrays, which for a whole prompt's blocks cost more than the arithmetic."""
-    with np.errstate(over="ignore"):
-        np.right_shift(x, _SHIFTS[0], out=scratch)
-        x ^= scratch
-        x *= _MULTIPLIERS[0]
-        np.right_shift(x, _SHIFTS[1], out=scratch)
-        x ^= scratch
-        x *= _MULTIPLIERS[1]
-        np.right_shift(x, _SHIFTS[2], out=scratch)
-        x ^= scratch
+    """``mix64`` written into ``x`` (uint64 array), using ``scratch`` (same shape): no new
+    arrays, which for a whole prompt's blocks cost more than the arithmetic. (Array
+    integer arithmetic wraps without warnings, so no errstate: it cost ~1 us a call.)"""
+    np.right_shift(x, _SHIFTS[0], out=scratch)
+    x ^= scratch
+    x *= _MULTIPLIERS[0]
+    np.right_shift(x, _SHIFTS[1], out=scratch)
+    x ^= scratch
+    x *= _MULTIPLIERS[1]
+    np.right_shift(x, _SHIFTS[2], out=scratch)
+    x ^= scratch
 
 
 def chain_start(salt: str | None, lane: int) -> int:
@@ -125,12 +124,11 @@ def chained_block_keys(
     positions = np.arange(first_position, first_position + len(tokens), dtype=np.uint64)
     scratch = np.empty_like(contents)
     lanes = []
-    with np.errstate(over="ignore"):
-        for lane, start in enumerate(starts):
-            keys = block_terms(contents, positions, lane, scratch)
-            np.cumsum(keys, out=keys)
-            keys += np.uint64(start)
-            lanes.append(keys.tolist())
+    for lane, start in enumerate(starts):
+        keys = block_terms(contents, positions, lane, scratch)
+        np.cumsum(keys, out=keys)
+        keys += np.uint64(start)
+        lanes.append(keys.tolist())
     return lanes[0], lanes[1]
 
 
@@ -163,10 +161,7 @@ def chained_block_keys_int(
     mask, mix_1, mix_2, mul = MASK64, _MIX_1, _MIX_2, operator.mul
     span = iter(token_ids)
     for position, block in enumerate(zip(*[span] * block_size), first_position):
-        x = sum(map(mul, block, multipliers)) & mask
-        x = ((x ^ (x >> 30)) * mix_1) & mask
-        x = ((x ^ (x >> 27)) * mix_2) & mask
-        content = x ^ (x >> 31)
+        content = sum(map(mul, block, multipliers))
         x = (content + position * step_a + seed_a) & mask
         x = ((x ^ (x >> 30)) * mix_1) & mask
         x = ((x ^ (x >> 27)) * mix_2) & mask
