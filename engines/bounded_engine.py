@@ -37,6 +37,7 @@ from kvbench.engines.eviction import (
 )
 from kvbench.engines.executor import ExecutionResult, Executor, TorchExecutor
 from kvbench.engines.paged import PagedEngine
+from kvbench.engines.sim_executor import sim_setup
 from kvbench.model import LlamaModel, torch_dtype
 from kvbench.sizing import kv_bytes_per_block
 from kvbench.types import EngineContext, RejectedRequest, Request, StepOutput
@@ -298,7 +299,7 @@ class BoundedCacheEngine:
         name: str = "bounded",
         block_size: int = 16,
         num_blocks: int | None = None,
-        kv_memory_bytes: int = 32 * 1024 * 1024,
+        kv_memory_bytes: int | None = 32 * 1024 * 1024,
         num_host_blocks: int = 0,
         preemption: str = "recompute",
         executor: Executor | None = None,
@@ -310,12 +311,22 @@ class BoundedCacheEngine:
         self.name = name
         self.ctx = ctx
         per_block = kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)
-        if num_blocks is None:
+        if num_blocks is None and kv_memory_bytes is not None:
             if kv_memory_bytes <= 0:
-                raise ValueError(f"engine.kv_memory_bytes: must be > 0, got {kv_memory_bytes}")
+                raise ValueError(f"engine.kv_memory_bytes: must be > 0 (or null), got {kv_memory_bytes}")
             num_blocks = kv_memory_bytes // per_block
-        if num_blocks <= 0:
+        if num_blocks is not None and num_blocks <= 0:
             raise ValueError(f"engine.num_blocks: must be > 0, got {num_blocks} (kv_memory_bytes too small?)")
+        if executor is None and ctx.mode == "sim":
+            # Simulation mode, as the paged engine does it: the cost-model executor, and
+            # (num_blocks still None) the pool a real engine would get on ctx.hardware.
+            num_blocks, executor = sim_setup(ctx, block_size=block_size, num_blocks=num_blocks)
+        if num_blocks is None:
+            raise ValueError(
+                "engine.kv_memory_bytes: null sizes the pool from the hardware profile, which only "
+                f"simulation mode does (run.mode=sim; this run is {ctx.mode!r}); set kv_memory_bytes "
+                "or num_blocks"
+            )
         if preemption == "swap" and num_host_blocks == 0:
             num_host_blocks = num_blocks
         self.bytes_per_token = per_block // block_size
@@ -423,7 +434,14 @@ class BoundedCacheEngine:
             measured_transfer_s=record["measured_copy_s"],
         )
         rejected, self._rejected = tuple(self._rejected), []
-        return replace(out, stats=stats, rejected=out.rejected + rejected)
+        duration_s = out.modeled_duration_s
+        if duration_s is not None:
+            # Simulation: the cost model priced the step's swaps (its shape); the tier's
+            # own copies (evictions to the host, fetches) add their PCIe time, as the
+            # cost model adds host copies (they do not overlap the forward pass here).
+            pcie_bytes_per_s = self.ctx.hardware.pcie_gbps * 1e9
+            duration_s += (evicted_bytes + fetch_to_host + fetch_from_host) / pcie_bytes_per_s
+        return replace(out, stats=stats, rejected=out.rejected + rejected, modeled_duration_s=duration_s)
 
     def describe(self) -> dict[str, Any]:
         """Static facts plus cumulative eviction / transfer totals (read after a run)."""

@@ -371,3 +371,16 @@ def test_simulation_mode_bounds_memory_without_tensors():
     )
     _, _, steps = run_engine(engine, [Request("a", 0.0, tuple(range(3, 43)), 30)])
     assert max(s.stats.kv.allocated_bytes for s in steps[1:]) == 2 * 8 * BYTES_PER_TOKEN
+
+
+def test_simulation_mode_without_the_wrapper_sizes_the_pool_from_the_hardware(capsys):
+    # ``engine=h2o run.mode=sim`` on the command line: the engine takes the cost-model
+    # executor itself, and kv_memory_bytes=null sizes the pool as the paged engine does.
+    direct = H2OEngine(make_ctx(None, mode="sim"), block_size=8, num_blocks=64, budget_tokens=16)
+    _, _, steps = run_engine(direct, [Request("a", 0.0, tuple(range(3, 43)), 30)])
+    assert max(s.stats.kv.allocated_bytes for s in steps[1:]) == 2 * 8 * BYTES_PER_TOKEN
+    assert all(s.modeled_duration_s is not None and s.modeled_duration_s > 0 for s in steps)
+    sized = H2OEngine(make_ctx(None, mode="sim"), block_size=8, kv_memory_bytes=None, budget_tokens=16)
+    assert sized.kv.num_blocks > 64 and "blocks x 8 tokens" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="engine.kv_memory_bytes: null sizes the pool"):
+        H2OEngine(make_ctx(None), block_size=8, kv_memory_bytes=None)

@@ -136,6 +136,30 @@ def test_same_device_memory_as_h2o_with_host_traffic_reported(model):
     assert facts["measured_copy_s"] is None  # only CUDA copies are timed
 
 
+def test_simulation_keeps_evicted_kv_on_the_host_and_prices_the_copies():
+    # No attention scores without tensors, so nothing is fetched back; evictions still
+    # go to the host tier and their PCIe time adds to the modeled step.
+    request = random_requests(12, 1, (40, 40), (50, 50))[0]
+    params = dict(budget_tokens=24, num_sink_tokens=2, block_size=8, num_blocks=64)
+    _, _, h2o_steps = run_engine(H2OEngine(make_ctx(None, mode="sim"), **params), [request])
+    _, _, steps = run_engine(
+        OffloadEngine(make_ctx(None, mode="sim"), max_fetch_tokens=4, **params), [request]
+    )
+    assert [s.stats.kv.allocated_bytes for s in steps] == [s.stats.kv.allocated_bytes for s in h2o_steps]
+    pcie = make_ctx(None).hardware.pcie_gbps * 1e9
+    evicted = 0
+    for index, (step, h2o_step) in enumerate(zip(steps, h2o_steps)):
+        evicted += step.stats.num_evicted_tokens
+        assert step.stats.bytes_to_host == step.stats.num_evicted_tokens * BYTES_PER_TOKEN
+        assert step.stats.bytes_from_host == 0 and h2o_step.stats.bytes_to_host == 0
+        if index < len(steps) - 1:
+            assert step.stats.kv.host_bytes == evicted * BYTES_PER_TOKEN
+        assert step.modeled_duration_s == pytest.approx(
+            h2o_step.modeled_duration_s + step.stats.bytes_to_host / pcie
+        )
+    assert evicted == 40 + 49 - 24
+
+
 @pytest.mark.parametrize(("field", "value"), [("max_fetch_tokens", -1), ("channel_share", 0.0)])
 def test_bad_offload_parameter_names_the_field(model, field, value):
     with pytest.raises(ValueError, match=f"engine.{field}"):
