@@ -37,7 +37,7 @@ from kvbench.engines.eviction import (
 )
 from kvbench.engines.executor import ExecutionResult, Executor, TorchExecutor
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sim_executor import sim_setup
+from kvbench.engines.sim_executor import pool_and_executor
 from kvbench.model import LlamaModel, torch_dtype
 from kvbench.sizing import kv_bytes_per_block
 from kvbench.types import EngineContext, RejectedRequest, Request, StepOutput
@@ -311,22 +311,15 @@ class BoundedCacheEngine:
         self.name = name
         self.ctx = ctx
         per_block = kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)
-        if num_blocks is None and kv_memory_bytes is not None:
-            if kv_memory_bytes <= 0:
-                raise ValueError(f"engine.kv_memory_bytes: must be > 0 (or null), got {kv_memory_bytes}")
-            num_blocks = kv_memory_bytes // per_block
-        if num_blocks is not None and num_blocks <= 0:
-            raise ValueError(f"engine.num_blocks: must be > 0, got {num_blocks} (kv_memory_bytes too small?)")
-        if executor is None and ctx.mode == "sim":
-            # Simulation mode, as the paged engine does it: the cost-model executor, and
-            # (num_blocks still None) the pool a real engine would get on ctx.hardware.
-            num_blocks, executor = sim_setup(ctx, block_size=block_size, num_blocks=num_blocks)
-        if num_blocks is None:
-            raise ValueError(
-                "engine.kv_memory_bytes: null sizes the pool from the hardware profile, which only "
-                f"simulation mode does (run.mode=sim; this run is {ctx.mode!r}); set kv_memory_bytes "
-                "or num_blocks"
-            )
+        # In simulation mode (no executor given): the cost-model executor, and with no
+        # size set, the pool a real engine would get on ctx.hardware (as the paged engine).
+        num_blocks, executor = pool_and_executor(
+            ctx,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
+            executor=executor,
+        )
         if preemption == "swap" and num_host_blocks == 0:
             num_host_blocks = num_blocks
         self.bytes_per_token = per_block // block_size

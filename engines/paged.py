@@ -32,7 +32,7 @@ from kvbench.engines.radix_cache import RadixPrefixIndex
 from kvbench.engines.sampler import SampleKey, Sampler, log_softmax, stable_seed
 from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvbench.engines.sequence import Sequence, SequenceGroup
-from kvbench.engines.sim_executor import CostModelExecutor, sim_setup
+from kvbench.engines.sim_executor import CostModelExecutor, pool_and_executor
 from kvbench.hashing import GOLDEN64, MASK64, mix64
 from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
@@ -271,32 +271,14 @@ class PagedEngine:
             raise ValueError(
                 f"engine.gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}"
             )
-        if num_blocks is None and kv_memory_bytes is not None:
-            if kv_memory_bytes <= 0:
-                raise ValueError(f"engine.kv_memory_bytes: must be > 0 (or null), got {kv_memory_bytes}")
-            num_blocks = kv_memory_bytes // self.bytes_per_block
-            if num_blocks == 0:
-                raise ValueError(
-                    f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no block of "
-                    f"{self.bytes_per_block} bytes (block_size {block_size})"
-                )
-        elif num_blocks is not None and num_blocks <= 0:
-            raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
-        if executor is None and ctx.mode == "sim":
-            # Simulation mode: the cost-model executor, and (num_blocks still None) the pool
-            # a real engine would get on ctx.hardware; sim_setup prints the one-line plan.
-            num_blocks, executor = sim_setup(
-                ctx,
-                block_size=block_size,
-                num_blocks=num_blocks,
-                gpu_memory_utilization=gpu_memory_utilization,
-            )
-        if num_blocks is None:
-            raise ValueError(
-                "engine.kv_memory_bytes: null sizes the pool from the hardware profile, which only "
-                f"simulation mode does (run.mode=sim; this run is {ctx.mode!r}); set kv_memory_bytes "
-                "or num_blocks"
-            )
+        num_blocks, executor = pool_and_executor(
+            ctx,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
+            executor=executor,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
         if preemption == "swap" and num_host_blocks == 0:
             num_host_blocks = num_blocks
         config = SchedulerConfig(

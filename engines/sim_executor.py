@@ -14,6 +14,9 @@ The pool of a simulated engine is sized the way real engines size theirs on
 
     sim_setup(ctx, block_size=16, num_blocks=None)  ->  (num_blocks, executor)
 
+Engines on the shared scheduler (paged, H2O / StreamingLLM, offload) resolve their pool
+and executor through ``pool_and_executor``, which calls ``sim_setup`` in simulation mode.
+
 ``simulated_engine`` wraps any engine factory that accepts ``num_blocks=`` and
 ``executor=`` keywords (the paged engine) for use as a Hydra target.
 """
@@ -151,6 +154,54 @@ def sim_setup(
     return num_blocks, CostModelExecutor.from_context(ctx, block_size=block_size)
 
 
+def pool_and_executor(
+    ctx: EngineContext,
+    *,
+    block_size: int,
+    num_blocks: int | None,
+    kv_memory_bytes: int | None,
+    executor: Any,
+    gpu_memory_utilization: float = 0.9,
+    activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES,
+) -> tuple[int, Any]:
+    """An engine's block count and executor from its parameters, in either mode.
+
+    ``num_blocks`` wins; else ``kv_memory_bytes // bytes_per_block``; in simulation
+    mode with no executor given, the cost-model executor and (sizes still unset) the
+    pool a real engine would get on ``ctx.hardware`` (``sim_setup``). The executor
+    comes back unchanged otherwise (None: the engine builds its own). Raises ValueError
+    naming ``engine.<parameter>`` for a size that is not positive, holds no block, or is
+    unset outside simulation.
+    """
+    if num_blocks is None and kv_memory_bytes is not None:
+        if kv_memory_bytes <= 0:
+            raise ValueError(f"engine.kv_memory_bytes: must be > 0 (or null), got {kv_memory_bytes}")
+        per_block = kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)
+        num_blocks = kv_memory_bytes // per_block
+        if num_blocks == 0:
+            raise ValueError(
+                f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no block of {per_block} bytes "
+                f"(block_size {block_size})"
+            )
+    elif num_blocks is not None and num_blocks <= 0:
+        raise ValueError(f"engine.num_blocks: must be > 0 (or null), got {num_blocks}")
+    if executor is None and ctx.mode == "sim":
+        num_blocks, executor = sim_setup(
+            ctx,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            activation_reserve_bytes=activation_reserve_bytes,
+        )
+    if num_blocks is None:
+        raise ValueError(
+            "engine.kv_memory_bytes: null sizes the pool from the hardware profile, which only "
+            f"simulation mode does (run.mode=sim; this run is {ctx.mode!r}); set kv_memory_bytes "
+            "or num_blocks"
+        )
+    return num_blocks, executor
+
+
 def simulated_engine(
     ctx: EngineContext,
     *,
@@ -174,16 +225,12 @@ def simulated_engine(
     """
     if ctx.mode != "sim":
         raise ValueError(f"engine: the simulated engine needs run.mode=sim, got {ctx.mode!r}")
-    if num_blocks is None and kv_memory_bytes is not None:
-        if kv_memory_bytes <= 0:
-            raise ValueError(f"engine.kv_memory_bytes: must be > 0 (or null), got {kv_memory_bytes}")
-        num_blocks = kv_memory_bytes // kv_bytes_per_block(ctx.spec, ctx.kv_dtype, block_size)
-        if num_blocks == 0:
-            raise ValueError(f"engine.kv_memory_bytes: {kv_memory_bytes} bytes hold no KV block")
-    num_blocks, executor = sim_setup(
+    num_blocks, executor = pool_and_executor(  # sim mode, no executor: always the cost model
         ctx,
         block_size=block_size,
         num_blocks=num_blocks,
+        kv_memory_bytes=kv_memory_bytes,
+        executor=None,
         gpu_memory_utilization=gpu_memory_utilization,
         activation_reserve_bytes=activation_reserve_bytes,
     )
