@@ -682,15 +682,18 @@ class BlockHashPrefixIndex:
         block_check, block_hash = self._block_check, self._block_hash
         hashes, checks = chain.hashes, chain.checks
         registered = []
+        setdefault = lookup.setdefault  # one probe of the (large) map per block, not two
         for i in range(state.num_blocks, num_full):
             h = hashes[i]
-            old = lookup.get(h)
-            if old is None or not cached[old] or block_hash[old] != h:  # no live entry
-                block = block_ids[i]
-                lookup[h] = block
-                block_check[block] = checks[i]
-                block_hash[block] = h
-                registered.append(block)
+            block = block_ids[i]
+            old = setdefault(h, block)
+            if cached[old] and block_hash[old] == h:
+                continue  # a live entry keeps its block (a fresh block is never cached)
+            if old != block:
+                lookup[h] = block  # over a dead entry
+            block_check[block] = checks[i]
+            block_hash[block] = h
+            registered.append(block)
         pool.set_cached_many(registered)
         self._num_registered += len(registered)
         state.num_blocks = num_full
