@@ -1,24 +1,41 @@
 """Compare two result sets (baseline vs candidate): matched runs, metric changes, gates.
 
-Runs are matched by configuration -- engine and its params, model, hardware, workload,
-mode and seed (the runs-frame columns ``engine``, ``engine.*``, ``model.*``,
-``hardware.*``, ``workload``, ``mode``, ``seed``) -- never by run id, timestamps or
-environment. When one side has several runs of a configuration (repeats), their median
-is compared, which is what a noisy nightly machine needs.
+Runs are matched by their configuration identity -- engine and its params, model,
+hardware, workload and its params, run options, mode and seed (the runs-frame columns
+``engine``, ``engine.*``, ``model.*``, ``hardware.*``, ``workload``, ``workload_params.*``,
+``run.*``, ``mode``, ``seed``; never run id, sweep name, timestamps, environment or SLO).
+The key is built from the same columns on both sides -- the union of what either side
+recorded -- with a value a run does not have (a slab run has no ``prefix_cache``) read as
+empty, so one run directory matches itself inside a sweep whatever else that sweep ran.
+When one side has several runs of a configuration (repeats), their median is compared,
+which is what a noisy nightly machine needs.
 
 A gate ``METRIC:+10%`` fails when the candidate is more than 10 % above the baseline;
 ``METRIC:-5%`` when it is more than 5 % below; ``METRIC:+2`` is an absolute change in the
-metric's unit. A gated metric measured in the baseline but missing (NaN) in the
-candidate fails too, and so does a configuration that ran in the baseline but failed in
-the candidate. Runs present on one side only are listed, not failed.
+metric's unit. Verdicts that cannot be made fail too:
 
-Exit codes of ``kvbench compare``: 0 pass, 1 regression, 2 bad input or nothing matched.
+- a gated metric that is missing (NaN) in the baseline, the candidate or both cannot be
+  judged, and fails its gate;
+- a configuration that ran in the baseline but is absent from the candidate fails;
+- a configuration that ran in the baseline but failed in the candidate fails.
+
+``--allow-missing`` turns the first two into notes ("not judged") instead of failures, for
+metrics that some configurations do not measure and for a candidate that deliberately ran
+fewer configurations. A configuration that failed in the baseline is not judged (listed);
+runs present only in the candidate are listed, not failed.
+
+Only the summary metrics in each run's run.json are compared: per-request rows
+(requests.parquet) and per-step rows are not read, so a regression visible only there --
+say in a few requests' latencies that leave every summary percentile unchanged -- is not
+seen. Gate on the summary metric that captures it.
+
+Exit codes of ``kvbench compare``: 0 pass, 1 a failure above, 2 bad input (unreadable
+results, a malformed gate, no configuration matched, an output path kvbench did not write).
 """
 
 from __future__ import annotations
 
 import argparse
-import html
 import math
 import os
 import re
@@ -30,9 +47,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape as escape_markup
 from rich.table import Table
+from rich.text import Text
 
 from kvbench import metrics
+from kvbench.html_page import GENERATOR_META, PageOutputError, escape, write_page
 from kvbench.results import ResultsError, config_columns, load, plain_value, run_labels
 
 # Short names from the issue text and the docs, resolved to metric names.
@@ -94,9 +114,14 @@ class CompareResult:
 
     ``table``: one row per (matched configuration, metric) with ``run`` (label), ``metric``,
     ``baseline``, ``candidate``, ``change``, ``change_pct`` (NaN when baseline is 0),
-    ``verdict`` ("better", "worse", "same", "" when the metric has no preferred direction
-    or a side is NaN), ``gate`` (the gate text or "") and ``regressed`` (bool).
-    ``failures``: one message per gate violation or run that failed only in the candidate.
+    ``verdict`` ("better", "worse", "same", "cannot judge" for a gated metric that is NaN on
+    a side, "" when the metric has no preferred direction or an ungated side is NaN),
+    ``gate`` (the gate text or "") and ``regressed`` (bool: the row fails a gate).
+    ``failures``: one message per gate violation, gated metric that cannot be judged, run
+    missing from the candidate, or run that failed only in the candidate.
+    ``not_judged``: the same "cannot judge" and missing-run messages when ``allow_missing``
+    made them notes instead of failures. ``failed_in_baseline``: labels of configurations
+    whose baseline run failed, so nothing in them was judged.
     """
 
     table: pd.DataFrame
@@ -104,6 +129,8 @@ class CompareResult:
     unmatched_baseline: tuple[str, ...]
     unmatched_candidate: tuple[str, ...]
     num_matched: int
+    not_judged: tuple[str, ...] = ()
+    failed_in_baseline: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -146,56 +173,66 @@ def compare(
     baseline_path: str | os.PathLike[str],
     candidate_path: str | os.PathLike[str],
     fail_on: Sequence[str] = (),
+    allow_missing: bool = False,
 ) -> CompareResult:
-    """Match runs of two result directories by configuration and compare their metrics.
+    """Match runs of two result directories by configuration identity and compare their metrics.
 
     Reads only. Raises ResultsError when a side has no results and CompareError when a
     gate is malformed or names an unknown metric, or when no configuration matches.
+    ``allow_missing``: gated metrics that are NaN on a side, and configurations missing
+    from the candidate, become ``not_judged`` notes instead of failures.
     """
     base = load(baseline_path).runs
     cand = load(candidate_path).runs
     known = _metric_columns(base, cand)
     gates = [parse_gate(text, known) for text in fail_on]
-    keys = _match_columns(base, cand)
-    base = base.assign(_key=_keys(base, keys))
-    cand = cand.assign(_key=_keys(cand, keys))
+    columns = identity_columns(base, cand)
+    base = base.assign(_key=identity_keys(base, columns))
+    cand = cand.assign(_key=identity_keys(cand, columns))
     # One label per configuration, from what varies across both sides.
     configs = pd.concat([base, cand], ignore_index=True).drop_duplicates("_key", ignore_index=True)
     labels = dict(zip(configs["_key"], run_labels(configs)))
-    matched = [key for key in dict.fromkeys(base["_key"]) if key in set(cand["_key"])]
+    cand_keys, base_keys = set(cand["_key"]), set(base["_key"])
+    matched = [key for key in dict.fromkeys(base["_key"]) if key in cand_keys]
     if not matched:
         raise CompareError(
             f"no run of {candidate_path} matches a run of {baseline_path} by configuration "
-            f"(matched on {', '.join(keys)})"
+            f"(matched on {', '.join(columns)})"
         )
-    rows, failures = [], []
+    rows, failures, not_judged, failed_in_baseline = [], [], [], []
+    unjudged = not_judged if allow_missing else failures
     for key in matched:
         base_ok, cand_ok = _ok(base, key), _ok(cand, key)
         label = labels[key]
-        if cand_ok.empty or base_ok.empty:
-            if cand_ok.empty and not base_ok.empty:
-                errors = "; ".join(str(e) for e in cand[cand["_key"] == key].get("error", []) if e)
-                failures.append(f"{label}: failed in the candidate ({errors or 'no error recorded'})")
+        if base_ok.empty:
+            failed_in_baseline.append(label)
+            continue
+        if cand_ok.empty:
+            errors = "; ".join(str(e) for e in cand[cand["_key"] == key].get("error", []) if e)
+            failures.append(f"{label}: failed in the candidate ({errors or 'no error recorded'})")
             continue
         for metric in known:
             b = _median(base_ok, metric)
             c = _median(cand_ok, metric)
-            if math.isnan(b) and math.isnan(c):
-                continue
-            regressed = False
             metric_gates = [g for g in gates if g.metric == metric]
-            for gate in metric_gates:  # every gate on the metric applies
-                if math.isnan(b):
-                    continue
-                if math.isnan(c):
-                    regressed = True
-                    failures.append(
-                        f"{label}: {metric} measured in the baseline ({b:.4g}) but missing in the candidate"
-                    )
-                    break
-                if gate.regressed(b, c):
-                    regressed = True
-                    failures.append(f"{label}: {metric} {b:.4g} -> {c:.4g} ({_pct(b, c)}) breaks {gate.text}")
+            if math.isnan(b) and math.isnan(c) and not metric_gates:
+                continue
+            verdict = _verdict(metric, b, c)
+            regressed = False
+            if metric_gates and (math.isnan(b) or math.isnan(c)):
+                verdict = "cannot judge"
+                regressed = not allow_missing
+                unjudged.append(
+                    f"{label}: {metric} cannot be judged by {' '.join(g.text for g in metric_gates)}: "
+                    + _missing_sides(b, c, _why_missing(base_ok, metric), _why_missing(cand_ok, metric))
+                )
+            else:
+                for gate in metric_gates:  # every gate on the metric applies
+                    if gate.regressed(b, c):
+                        regressed = True
+                        failures.append(
+                            f"{label}: {metric} {b:.4g} -> {c:.4g} ({_pct(b, c)}) breaks {gate.text}"
+                        )
             rows.append(
                 {
                     "run": label,
@@ -204,11 +241,15 @@ def compare(
                     "candidate": c,
                     "change": c - b,
                     "change_pct": (c - b) / abs(b) * 100 if b != 0 and not math.isnan(b) else math.nan,
-                    "verdict": _verdict(metric, b, c),
+                    "verdict": verdict,
                     "gate": " ".join(g.text for g in metric_gates),
                     "regressed": regressed,
                 }
             )
+    unmatched_baseline = tuple(sorted(labels[k] for k in base_keys - cand_keys))
+    unjudged.extend(
+        f"{label}: ran in the baseline but is missing from the candidate" for label in unmatched_baseline
+    )
     table = pd.DataFrame(
         rows,
         columns=[
@@ -223,13 +264,14 @@ def compare(
             "regressed",
         ],
     )
-    cand_keys, base_keys = set(cand["_key"]), set(base["_key"])
     return CompareResult(
         table=table,
         failures=tuple(failures),
-        unmatched_baseline=tuple(sorted(labels[k] for k in base_keys - cand_keys)),
+        unmatched_baseline=unmatched_baseline,
         unmatched_candidate=tuple(sorted(labels[k] for k in cand_keys - base_keys)),
         num_matched=len(matched),
+        not_judged=tuple(not_judged),
+        failed_in_baseline=tuple(failed_in_baseline),
     )
 
 
@@ -239,14 +281,39 @@ def _metric_columns(*frames: pd.DataFrame) -> list[str]:
     return [n for n in [*names, *extra] if any(n in f for f in frames)]
 
 
-def _match_columns(*frames: pd.DataFrame) -> list[str]:
+def identity_columns(*frames: pd.DataFrame) -> list[str]:
+    """The columns that identify a configuration: config columns of any frame, SLOs excluded."""
     columns = dict.fromkeys(c for f in frames for c in config_columns(f))
     return [c for c in columns if not c.startswith(IGNORED_CONFIG_PREFIXES)]
 
 
-def _keys(runs: pd.DataFrame, columns: Sequence[str]) -> list[str]:
-    present = [c for c in columns if c in runs]
-    return ["|".join(f"{c}={plain_value(row[c])}" for c in present) for _, row in runs.iterrows()]
+def identity_keys(runs: pd.DataFrame, columns: Sequence[str]) -> list[str]:
+    """One configuration key per run over exactly ``columns``.
+
+    A column the frame lacks reads as empty, like a null or NaN value: a run loaded alone
+    has only its own config columns, the same run inside a sweep has NaN in the columns
+    other runs brought, and both must give the same key.
+    """
+    return [
+        "|".join(f"{c}={plain_value(row[c]) if c in runs else ''}" for c in columns)
+        for _, row in runs.iterrows()
+    ]
+
+
+def _missing_sides(baseline: float, candidate: float, why_baseline: str, why_candidate: str) -> str:
+    """Which side of a gated metric is NaN, with the reasons the runs recorded."""
+    if math.isnan(baseline) and math.isnan(candidate):
+        return f"missing on both sides (baseline: {why_baseline}; candidate: {why_candidate})"
+    if math.isnan(baseline):
+        return f"missing in the baseline ({why_baseline}), candidate {candidate:.4g}"
+    return f"measured in the baseline ({baseline:.4g}) but missing in the candidate ({why_candidate})"
+
+
+def _why_missing(runs: pd.DataFrame, metric: str) -> str:
+    """The first ``missing.<metric>`` reason recorded by ``runs`` (run.json "missing")."""
+    column = f"missing.{metric}"
+    reasons = [r for r in runs.get(column, pd.Series(dtype=object)) if isinstance(r, str) and r]
+    return reasons[0] if reasons else "no reason recorded"
 
 
 def _ok(runs: pd.DataFrame, key: str) -> pd.DataFrame:
@@ -280,7 +347,11 @@ def _pct(baseline: float, candidate: float) -> str:
 
 # --------------------------------------------------------------------------- output
 def print_table(result: CompareResult, console: Console, show_all: bool = False) -> None:
-    """Print the change table (headline and gated metrics unless ``show_all``) and failures."""
+    """Print the change table (headline and gated metrics unless ``show_all``) and failures.
+
+    Labels and metric names come from result files: they are printed as plain text, never
+    read as rich markup.
+    """
     shown = result.table
     if not show_all:
         shown = shown[shown["metric"].isin(HEADLINE_METRICS) | (shown["gate"] != "")]
@@ -295,81 +366,121 @@ def print_table(result: CompareResult, console: Console, show_all: bool = False)
         ("gate", "left"),
     ):
         table.add_column(name, justify=justify)
-    styles = {"better": "green", "worse": "red"}
+    styles = {"better": "green", "worse": "red", "cannot judge": "yellow"}
     for row in shown.itertuples():
-        verdict = row.verdict + (" REGRESSION" if row.regressed else "")
         style = "bold red" if row.regressed else styles.get(row.verdict, "")
         table.add_row(
-            row.run,
-            row.metric,
+            Text(row.run),
+            Text(row.metric),
             f"{row.baseline:.4g}",
             f"{row.candidate:.4g}",
             _pct(row.baseline, row.candidate),
-            verdict,
-            row.gate,
+            _verdict_text(row.verdict, row.regressed),
+            Text(row.gate),
             style=style,
         )
     console.print(table)
     for name, items in (
         ("only in baseline", result.unmatched_baseline),
         ("only in candidate", result.unmatched_candidate),
+        ("failed in the baseline (not judged)", result.failed_in_baseline),
     ):
         if items:
-            console.print(f"{name}: {', '.join(items)}")
+            console.print(f"{name}: {', '.join(items)}", markup=False, highlight=False)
+    for note in result.not_judged:
+        console.print(f"[yellow]NOT JUDGED[/] {escape_markup(note)} (--allow-missing)", highlight=False)
     for failure in result.failures:
-        console.print(f"[bold red]FAIL[/] {failure}", highlight=False)
+        console.print(f"[bold red]FAIL[/] {escape_markup(failure)}", highlight=False)
     console.print("[green]PASS[/]" if result.passed else f"[bold red]{len(result.failures)} failure(s)[/]")
 
 
+def _verdict_text(verdict: str, regressed: bool) -> str:
+    if not regressed:
+        return verdict
+    return "CANNOT JUDGE" if verdict == "cannot judge" else f"{verdict} REGRESSION"
+
+
 def write_html(result: CompareResult, path: str | os.PathLike[str], baseline: str, candidate: str) -> Path:
-    """Write a self-contained HTML diff report (no scripts) and return its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    colors = {"better": "#e6f4ea", "worse": "#fdecea"}
+    """Write a self-contained HTML diff report (no scripts) and return its path.
+
+    Every string from the results goes through ``html_page.escape``. Raises PageOutputError
+    (naming the path) when ``path`` holds something kvbench did not write.
+    """
+    colors = {"better": "#e6f4ea", "worse": "#fdecea", "cannot judge": "#fff4d6"}
     rows = []
     for row in result.table.itertuples():
         color = "#f8c9c4" if row.regressed else colors.get(row.verdict, "")
         style = f' style="background:{color}"' if color else ""
-        rows.append(
-            f"<tr{style}><td>{html.escape(row.run)}</td><td><code>{row.metric}</code></td>"
-            f"<td>{row.baseline:.4g}</td><td>{row.candidate:.4g}</td><td>{_pct(row.baseline, row.candidate)}</td>"
-            f"<td>{row.verdict}{' REGRESSION' if row.regressed else ''}</td><td>{html.escape(row.gate)}</td></tr>"
+        cells = (
+            escape(row.run),
+            f"<code>{escape(row.metric)}</code>",
+            f"{row.baseline:.4g}",
+            f"{row.candidate:.4g}",
+            _pct(row.baseline, row.candidate),
+            escape(_verdict_text(row.verdict, row.regressed)),
+            escape(row.gate),
         )
-    failures = "".join(f"<li>{html.escape(f)}</li>" for f in result.failures)
+        rows.append(f"<tr{style}>{''.join(f'<td>{cell}</td>' for cell in cells)}</tr>")
+    failures = "".join(f"<li>{escape(f)}</li>" for f in result.failures)
+    notes = "".join(f"<li>not judged (--allow-missing): {escape(n)}</li>" for n in result.not_judged)
     unmatched = "".join(
-        f"<p>{name}: {html.escape(', '.join(items))}</p>"
+        f"<p>{name}: {escape(', '.join(items))}</p>"
         for name, items in (
             ("Only in baseline", result.unmatched_baseline),
             ("Only in candidate", result.unmatched_candidate),
+            ("Failed in the baseline (not judged)", result.failed_in_baseline),
         )
         if items
     )
     verdict = "PASS" if result.passed else f"FAIL ({len(result.failures)})"
     page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>kvbench compare: {verdict}</title>
+<html lang="en"><head><meta charset="utf-8">
+{GENERATOR_META}
+<title>kvbench compare: {verdict}</title>
 <style>body {{ font-family: system-ui, sans-serif; margin: 1.5rem auto; max-width: 1200px; }}
 table {{ border-collapse: collapse; font-size: 0.85rem; }} td, th {{ border: 1px solid #ddd; padding: 0.2rem 0.5rem; }}
 </style></head><body>
 <h1>kvbench compare: {verdict}</h1>
-<p>baseline <code>{html.escape(baseline)}</code>, candidate <code>{html.escape(candidate)}</code>,
-{result.num_matched} matched configuration(s). Green: better, red: worse; darker red: a gate failed.</p>
-<ul>{failures}</ul>{unmatched}
+<p>baseline <code>{escape(baseline)}</code>, candidate <code>{escape(candidate)}</code>,
+{result.num_matched} matched configuration(s). Green: better, red: worse; darker red: a gate failed;
+yellow: a gated metric missing on a side (cannot judge). Only run.json summary metrics are compared.</p>
+<ul>{failures}{notes}</ul>{unmatched}
 <table><tr><th>run</th><th>metric</th><th>baseline</th><th>candidate</th><th>change</th><th>verdict</th><th>gate</th></tr>
 {"".join(rows)}</table></body></html>
 """
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(page)
-    os.replace(tmp, path)
-    return path
+    return write_page(path, page)
+
+
+HELP_EPILOG = """Runs are matched by configuration identity (engine, model, hardware, workload and their
+parameters, run options, mode, seed), the same key on both sides, so one run directory
+can be compared against a sweep that contains it. Repeats of a configuration compare by
+median.
+
+Failures (exit 1): a gate broken; a gated metric that is NaN on either side ("cannot
+judge"); a configuration that ran in the baseline but is missing from the candidate; a
+configuration that failed only in the candidate. --allow-missing makes the NaN and
+missing-configuration cases notes instead of failures.
+
+Only the summary metrics recorded in each run.json are compared; requests.parquet and
+steps.parquet are not read, so a regression visible only in per-request rows is not seen.
+
+Exit codes: 0 pass, 1 failure, 2 bad input (unreadable results, malformed gate, nothing
+matched, an HTML output path holding a file kvbench did not write).
+"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvbench compare BASELINE CANDIDATE [--fail-on M:+N% ...] [--html OUT] [--all]``.
+    """``kvbench compare BASELINE CANDIDATE [--fail-on M:+N% ...] [--allow-missing] [--html OUT] [--all]``.
 
     Prints the table, writes the HTML diff (default ``reports/compare-<candidate>.html``)
-    and returns 0 (pass), 1 (a gate failed or a run failed only in the candidate) or 2.
+    and returns 0 (pass), 1 (a failure, see the module docstring) or 2 (bad input).
     """
-    parser = argparse.ArgumentParser(prog="kvbench compare", description="Compare two result directories.")
+    parser = argparse.ArgumentParser(
+        prog="kvbench compare",
+        description="Compare two result directories (baseline, candidate) and gate on metric changes.",
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("baseline")
     parser.add_argument("candidate")
     parser.add_argument(
@@ -380,16 +491,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="METRIC:±N%",
         help="gates such as tpot_ms_p99:+10%% output_tokens_per_s:-5%%",
     )
-    parser.add_argument("--html", default=None, help="HTML diff report path")
+    parser.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="a gated metric that is NaN on either side, or a baseline configuration missing from "
+        "the candidate, is reported as not judged instead of failing",
+    )
+    parser.add_argument(
+        "--html",
+        default=None,
+        help="HTML diff report path (default reports/compare-<candidate>.html; "
+        "an existing file is replaced only if kvbench wrote it)",
+    )
     parser.add_argument("--all", action="store_true", help="print every metric, not only the headline ones")
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
-        result = compare(args.baseline, args.candidate, args.fail_on)
+        result = compare(args.baseline, args.candidate, args.fail_on, allow_missing=args.allow_missing)
     except (ResultsError, CompareError) as exc:
         console.print(f"kvbench compare: {exc}", highlight=False, markup=False)
         return 2
     print_table(result, console, show_all=args.all)
     out = args.html or Path("reports") / f"compare-{Path(args.candidate).resolve().name}.html"
-    console.print(f"HTML diff: {write_html(result, out, args.baseline, args.candidate)}", highlight=False)
+    try:
+        written = write_html(result, out, args.baseline, args.candidate)
+    except PageOutputError as exc:
+        console.print(f"kvbench compare: {exc}", highlight=False, markup=False)
+        return 2
+    console.print(f"HTML diff: {written}", highlight=False, markup=False)
     return 0 if result.passed else 1

@@ -8,12 +8,16 @@ metric no run measured is left out rather than drawn empty.
 Runs are labelled by the config columns that vary across the sweep (``engine``,
 ``engine.block_size``, ``model.name``...), so the same code reads well for every
 experiment: engines side by side, block sizes, prefix-cache workloads, budgets.
+
+Every string from the results (metric names, labels, config values, errors, paths) goes
+through ``html_page.escape``, plot labels included, and the page is written by
+``html_page.write_page``: named after the results directory given, and never over a file
+kvbench did not write.
 """
 
 from __future__ import annotations
 
 import argparse
-import html
 import math
 import os
 import sys
@@ -29,6 +33,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from kvbench import metrics
+from kvbench.html_page import GENERATOR_META, PageOutputError, escape, write_page
 from kvbench.results import Results, ResultsError, load, run_labels, varying_config_columns
 
 SUMMARY_METRICS: tuple[str, ...] = (
@@ -76,17 +81,21 @@ pre { background: #f7f7f7; padding: 0.6rem; overflow-x: auto; font-size: 0.8rem;
 def build_report(results_dir: str | os.PathLike[str], out_path: str | os.PathLike[str] | None = None) -> Path:
     """Write the HTML report for the results under ``results_dir`` and return its path.
 
-    Default ``out_path``: ``reports/<sweep-name>.html`` relative to the working directory
-    (parents are created). Reads results only; raises ResultsError when there are none.
+    Default ``out_path``: ``reports/<name of results_dir>.html`` relative to the working
+    directory (parents are created) -- named after the directory given, never after the
+    sweep name stored in run.json, so a copied run directory gets its own report. Reads
+    results only; raises ResultsError when there are none and PageOutputError (naming the
+    path) when the output exists but is not a kvbench page.
     """
     res = load(results_dir)
-    sweep = _sweep_name(res, Path(results_dir))
-    out = Path(out_path) if out_path is not None else Path("reports") / f"{sweep}.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(render_report(res, title=sweep, source=str(results_dir)))
-    os.replace(tmp, out)
-    return out
+    name = report_name(results_dir)
+    out = Path(out_path) if out_path is not None else Path("reports") / f"{name}.html"
+    return write_page(out, render_report(res, title=name, source=str(results_dir)))
+
+
+def report_name(results_dir: str | os.PathLike[str]) -> str:
+    """The report's name: the last component of ``results_dir`` once resolved ("." -> the cwd's name)."""
+    return Path(results_dir).resolve().name or "root"
 
 
 def _mode_banner(runs: pd.DataFrame) -> str:
@@ -103,11 +112,13 @@ def _mode_banner(runs: pd.DataFrame) -> str:
 
 def render_report(res: Results, title: str, source: str = "") -> str:
     """The full HTML page for ``res`` as a string. Pure: writes nothing."""
-    runs = res.runs.assign(label=run_labels(res.runs))
+    # ``label`` is plot text only (trace names, category ticks, hover): escaped once here,
+    # so plotly shows a label such as "<b>x</b>" literally instead of as markup.
+    runs = res.runs.assign(label=run_labels(res.runs).map(escape))
     ok = runs[runs["status"] == "ok"] if "status" in runs else runs
     figures = [(name, fig) for name, build in PLOTS for fig in [build(res, ok)] if fig is not None]
     plot_html = "\n".join(
-        f'<div class="plot"><h3>{html.escape(name)}</h3>'
+        f'<div class="plot"><h3>{escape(name)}</h3>'
         + pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=f"fig-{i}", config=PLOT_CONFIG)
         + "</div>"
         for i, (name, fig) in enumerate(figures)
@@ -116,14 +127,15 @@ def render_report(res: Results, title: str, source: str = "") -> str:
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<title>kvbench report: {html.escape(title)}</title>
+{GENERATOR_META}
+<title>kvbench report: {escape(title)}</title>
 <style>{STYLE}</style>
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
-<h1>kvbench report: {html.escape(title)}</h1>
+<h1>kvbench report: {escape(title)}</h1>
 {_mode_banner(runs)}
-<p class="sub">{len(runs)} runs ({num_failed} failed) from {html.escape(source)}, generated {stamp}.
-Runs are labelled by what varies: {html.escape(", ".join(varying_config_columns(runs)) or "nothing (one configuration)")}.</p>
+<p class="sub">{len(runs)} runs ({num_failed} failed) from {escape(source)}, generated {stamp}.
+Runs are labelled by what varies: {escape(", ".join(varying_config_columns(runs)) or "nothing (one configuration)")}.</p>
 <h2>Summary</h2>
 {_summary_table(runs)}
 <h2>Plots</h2>
@@ -141,28 +153,29 @@ Runs are labelled by what varies: {html.escape(", ".join(varying_config_columns(
 def report_main(argv: Sequence[str] | None = None) -> int:
     """``kvbench report RESULTS_DIR [--out FILE]``: write the report, print its path.
 
-    Returns 0 on success, 2 when RESULTS_DIR holds no readable results.
+    Returns 0 on success, 2 when RESULTS_DIR holds no readable results or the output path
+    holds something kvbench did not write.
     """
-    parser = argparse.ArgumentParser(prog="kvbench report", description="Write a sweep's HTML report.")
+    parser = argparse.ArgumentParser(
+        prog="kvbench report",
+        description="Write the HTML report of a results directory. An existing output file is "
+        "replaced only if kvbench wrote it (a user's file of the same name is refused).",
+    )
     parser.add_argument("results_dir", help="a sweep directory (results/<sweep>) or one run directory")
-    parser.add_argument("--out", default=None, help="output HTML file (default: reports/<sweep>.html)")
+    parser.add_argument(
+        "--out", default=None, help="output HTML file (default: reports/<name of RESULTS_DIR>.html)"
+    )
     args = parser.parse_args(argv)
     try:
         out = build_report(args.results_dir, args.out)
-    except ResultsError as exc:
+    except (ResultsError, PageOutputError) as exc:
         print(f"kvbench report: {exc}", file=sys.stderr)
         return 2
     print(out)
     return 0
 
 
-# --------------------------------------------------------------------------- labels
-def _sweep_name(res: Results, path: Path) -> str:
-    names = res.runs["sweep_name"].dropna().astype(str) if "sweep_name" in res.runs else pd.Series([])
-    names = names[names != ""]
-    return str(names.iloc[0]) if len(names) else path.resolve().name
-
-
+# --------------------------------------------------------------------------- helpers
 def _is_nan(value: object) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
@@ -333,10 +346,11 @@ def _quality_vs_memory(res: Results, ok: pd.DataFrame) -> go.Figure | None:
     quality = [c for c in ok.columns if c.startswith("quality_") and _has(ok, c)]
     if not quality or not _has(ok, "kv_peak_allocated_bytes"):
         return None
-    fig = make_subplots(rows=1, cols=len(quality), subplot_titles=quality)
-    group_col = "engine" if "engine" in ok else "label"
+    fig = make_subplots(rows=1, cols=len(quality), subplot_titles=[escape(q) for q in quality])
+    # One line per engine (plot text, escaped like ``label``), else one per run.
+    groups = ok["engine"].astype(str).map(escape) if "engine" in ok else ok["label"]
     for col, metric in enumerate(quality, start=1):
-        for i, (group, runs) in enumerate(ok.groupby(group_col, sort=True)):
+        for i, (group, runs) in enumerate(ok.groupby(groups, sort=True)):
             runs = runs.sort_values("kv_peak_allocated_bytes")
             fig.add_trace(
                 go.Scatter(
@@ -344,8 +358,8 @@ def _quality_vs_memory(res: Results, ok: pd.DataFrame) -> go.Figure | None:
                     y=runs[metric],
                     mode="lines+markers",
                     text=runs["label"],
-                    name=str(group),
-                    legendgroup=str(group),
+                    name=group,
+                    legendgroup=group,
                     showlegend=col == 1,
                     line={"color": _color(i)},
                 ),
@@ -427,24 +441,24 @@ def _summary_table(runs: pd.DataFrame) -> str:
     quality = sorted(c for c in runs.columns if c.startswith("quality_"))
     present = [c for c in (*SUMMARY_METRICS, *quality) if c in runs and runs[c].notna().any()]
     columns = ["run_id", "status", *config, *present]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in [*columns, "error"])
+    head = "".join(f"<th>{escape(c)}</th>" for c in [*columns, "error"])
     body = []
     for _, row in runs.iterrows():
         cells = []
         for c in columns:
             value = row.get(c)
-            text = html.escape(_fmt(c, value))
+            text = escape(_fmt(c, value))
             if c in present and _is_nan(value):
                 reason = row.get(f"missing.{c}")
                 if row.get("status") == "failed":
                     reason = "the run failed"
-                title = html.escape(reason if isinstance(reason, str) else "not measured")
+                title = escape(reason if isinstance(reason, str) else "not measured")
                 cells.append(f'<td class="nan" title="{title}">{text}</td>')
             else:
                 kind = "text" if c in ("run_id", "status", *config) else "num"
                 cells.append(f'<td class="{kind}">{text}</td>')
         error = row.get("error")
-        cells.append(f'<td class="text">{html.escape(str(error)) if isinstance(error, str) else ""}</td>')
+        cells.append(f'<td class="text">{escape(str(error)) if isinstance(error, str) else ""}</td>')
         status = "failed" if row.get("status") == "failed" else "ok"
         body.append(f'<tr class="{status}">{"".join(cells)}</tr>')
     return f'<div class="scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>'
@@ -458,7 +472,7 @@ def _environment_table(runs: pd.DataFrame) -> str:
     for c in columns:
         values = sorted({str(v) for v in runs[c] if not _is_nan(v)})
         rows.append(
-            f'<tr><td class="text">{html.escape(c[4:])}</td><td class="text">{html.escape(" | ".join(values))}</td></tr>'
+            f'<tr><td class="text">{escape(c[4:])}</td><td class="text">{escape(" | ".join(values))}</td></tr>'
         )
     return f"<table><tr><th>field</th><th>value(s) across runs</th></tr>{''.join(rows)}</table>"
 
@@ -469,15 +483,15 @@ def _configs(runs: pd.DataFrame, configs: dict[str, str]) -> str:
         text = configs.get(run_id, "")
         opened = " open" if i == 0 else ""
         parts.append(
-            f"<details{opened}><summary>{html.escape(run_id)}</summary><pre>{html.escape(text or '(no config.yaml)')}</pre></details>"
+            f"<details{opened}><summary>{escape(run_id)}</summary><pre>{escape(text or '(no config.yaml)')}</pre></details>"
         )
     return "\n".join(parts)
 
 
 def _metric_docs() -> str:
     rows = "".join(
-        f'<tr><td class="text"><code>{d.name}</code></td><td class="text">{html.escape(d.unit)}</td>'
-        f'<td class="text">{d.better or "-"}</td><td class="text">{html.escape(d.definition)}</td></tr>'
+        f'<tr><td class="text"><code>{escape(d.name)}</code></td><td class="text">{escape(d.unit)}</td>'
+        f'<td class="text">{escape(d.better or "-")}</td><td class="text">{escape(d.definition)}</td></tr>'
         for d in metrics.METRICS
     )
     return f"<table><tr><th>metric</th><th>unit</th><th>better</th><th>definition</th></tr>{rows}</table>"

@@ -26,6 +26,15 @@ def test_help_lists_every_subcommand(tmp_path: Path) -> None:
         assert "usage" in sub.stdout.lower(), command
 
 
+def test_compare_and_report_help_state_what_they_judge_and_write(tmp_path: Path) -> None:
+    compare_help = " ".join(kvbench("compare", "--help", cwd=tmp_path).stdout.split())
+    assert "--allow-missing" in compare_help and '("cannot judge")' in compare_help
+    assert "missing from the candidate" in compare_help
+    assert "requests.parquet and steps.parquet are not read" in compare_help  # issue 17 item 8
+    report_help = " ".join(kvbench("report", "--help", cwd=tmp_path).stdout.split())
+    assert "reports/<name of RESULTS_DIR>.html" in report_help and "only if kvbench wrote it" in report_help
+
+
 def test_unknown_command_fails(tmp_path: Path) -> None:
     out = kvbench("frobnicate", cwd=tmp_path)
     assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
-from run_fixtures import base_meta, write_sweep, write_synthetic
+from run_fixtures import base_meta, synthetic_run, write_sweep, write_synthetic
 
-from kvbench import compare, results
+from kvbench import compare, metrics, results
 
 
 @pytest.fixture
@@ -95,14 +96,23 @@ def test_run_failing_only_in_candidate_is_a_failure(baseline, tmp_path):
     assert any("failed in the candidate (CUDA out of memory)" in f for f in result.failures)
 
 
-def test_unmatched_runs_are_listed_not_failed(baseline, tmp_path):
+def test_runs_missing_from_the_candidate_fail_unless_allowed(baseline, tmp_path):
+    # Issue 17 item 8: a candidate missing runs used to exit 0; runs only in the candidate
+    # are still listed, not failed.
     cand = tmp_path / "cand"
     write_synthetic(cand / "run0", "run0", "paged", 8, seed=0, sweep_name="ref")
     write_synthetic(cand / "extra", "extra", "paged", 64, seed=7, sweep_name="ref")
     result = compare.compare(baseline, cand, ["tpot_ms_p99:+10%"])
-    assert result.passed and result.num_matched == 1
+    assert not result.passed and result.num_matched == 1
     assert len(result.unmatched_baseline) == 4 and len(result.unmatched_candidate) == 1
     assert "block_size=64" in result.unmatched_candidate[0]
+    missing = [f for f in result.failures if "missing from the candidate" in f]
+    assert len(missing) == len(result.failures) == 4
+    allowed = compare.compare(baseline, cand, ["tpot_ms_p99:+10%"], allow_missing=True)
+    assert allowed.passed and len(allowed.not_judged) == 4
+    html_out = ["--html", str(tmp_path / "m.html")]
+    assert compare.main([str(baseline), str(cand), *html_out]) == 1
+    assert compare.main([str(baseline), str(cand), "--allow-missing", *html_out]) == 0
 
 
 def test_repeats_compare_by_median(tmp_path):
@@ -157,3 +167,131 @@ def test_every_gate_on_a_metric_applies(baseline, tmp_path):
     result = compare.compare(baseline, slightly, ["tpot_ms_p99:+10%", "tpot_ms_p99:+0.5"])
     assert not result.passed
     assert all("breaks tpot_ms_p99:+0.5" in f for f in result.failures)
+
+
+# --------------------------------------------------------------------------- issue 17 item 8
+def test_gate_on_a_metric_nan_on_both_sides_cannot_judge(baseline, tmp_path, capsys):
+    # No SLO in the fixtures: goodput is NaN in every run, on both sides.
+    result = compare.compare(baseline, baseline, ["goodput:-5%"])
+    assert not result.passed and len(result.failures) == 4
+    assert all("cannot be judged by goodput:-5%: missing on both sides" in f for f in result.failures)
+    assert all("no SLO given" in f for f in result.failures)  # the reason run.json recorded
+    goodput = result.table[result.table["metric"] == "goodput_requests_per_s"]
+    assert set(goodput["verdict"]) == {"cannot judge"} and goodput["regressed"].all()
+    allowed = compare.compare(baseline, baseline, ["goodput:-5%"], allow_missing=True)
+    assert allowed.passed and len(allowed.not_judged) == 4
+    assert not allowed.table["regressed"].any()
+    html_out = ["--html", str(tmp_path / "nan.html")]
+    assert compare.main([str(baseline), str(baseline), *gates("goodput:-5%"), *html_out]) == 1
+    assert "CANNOT JUDGE" in capsys.readouterr().out
+    assert (
+        compare.main([str(baseline), str(baseline), *gates("goodput:-5%"), "--allow-missing", *html_out]) == 0
+    )
+    assert "NOT JUDGED" in capsys.readouterr().out
+
+
+def test_gated_metric_missing_in_the_baseline_cannot_judge(tmp_path):
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    write_synthetic(base / "a", "a", seed=0)
+    write_synthetic(cand / "a", "a", seed=0)
+    record = base / "a" / "run.json"
+    record.write_text(record.read_text().replace('"prefix_hit_rate": 0.0', '"prefix_hit_rate": null'))
+    result = compare.compare(base, cand, ["prefix_hit_rate:-10%"])
+    assert not result.passed and "missing in the baseline" in result.failures[0]
+    assert compare.compare(base, cand, ["prefix_hit_rate:-10%"], allow_missing=True).passed
+    assert compare.compare(base, cand, ["tpot_ms_p99:+10%"]).passed  # ungated NaN: no verdict needed
+
+
+def write_mixed_sweep(sweep_dir):
+    """A paged and a slab run whose engine params differ in keys, as the real presets do
+    (paged has prefix_cache, slab has reserve): the runs frame of the sweep has NaN holes."""
+    params = {
+        "paged": {
+            "block_size": 16,
+            "num_blocks": None,
+            "prefix_cache": "block_hash",
+            "chunked_prefill": True,
+        },
+        "slab": {"block_size": 16, "num_blocks": None, "reserve": "max_len", "chunked_prefill": True},
+    }
+    for i, (engine, engine_params) in enumerate(params.items()):
+        requests, steps, memory, meta = synthetic_run(f"{engine}-run", engine, 16, seed=i, sweep_name="mixed")
+        meta["engine_params"] = engine_params
+        summary = metrics.summarize_run(requests, steps, meta, memory)
+        results.write_run(
+            sweep_dir / f"{engine}-run",
+            requests,
+            steps,
+            memory,
+            meta,
+            "x: 1\n",
+            summary.metrics,
+            summary.missing,
+        )
+    return sweep_dir
+
+
+def test_one_run_directory_matches_itself_inside_its_sweep(tmp_path, capsys):
+    # Issue 17 item 8: each side's key used to be built from the columns that side had,
+    # so a run alone (no 'engine.reserve' column) never matched itself in the sweep.
+    sweep = write_mixed_sweep(tmp_path / "mixed")
+    html_out = ["--html", str(tmp_path / "one.html")]
+    for engine in ("paged", "slab"):
+        run_dir = sweep / f"{engine}-run"
+        result = compare.compare(run_dir, sweep, ["tpot_ms_p99:+10%"])
+        assert result.num_matched == 1 and result.passed, result.failures
+        assert len(result.unmatched_candidate) == 1 and result.unmatched_baseline == ()
+        assert compare.main([str(run_dir), str(sweep), *gates("tpot_ms_p99:+10%"), *html_out]) == 0
+        # The other way round the sweep's other run is missing from the candidate.
+        reverse = compare.compare(sweep, run_dir, ["tpot_ms_p99:+10%"])
+        assert reverse.num_matched == 1 and not reverse.passed
+        assert compare.compare(sweep, run_dir, ["tpot_ms_p99:+10%"], allow_missing=True).passed
+    capsys.readouterr()
+
+
+def test_identity_keys_read_an_absent_column_as_empty():
+    alone = pd.DataFrame({"engine": ["slab"], "engine.block_size": [16]})
+    in_sweep = pd.DataFrame(
+        {
+            "engine": ["paged", "slab"],
+            "engine.block_size": [16.0, 16.0],
+            "engine.prefix_cache": ["radix", None],
+        }
+    )
+    columns = compare.identity_columns(alone, in_sweep)
+    assert columns == ["engine", "engine.block_size", "engine.prefix_cache"]
+    assert compare.identity_keys(alone, columns)[0] == compare.identity_keys(in_sweep, columns)[1]
+    assert compare.identity_keys(in_sweep, columns)[0] != compare.identity_keys(in_sweep, columns)[1]
+
+
+def test_hostile_metric_names_and_labels_do_not_break_the_terminal_table(tmp_path, capsys):
+    # Rich markup in a label or metric name prints as text (an unbalanced "[/x]" would be parsed).
+    base, cand = tmp_path / "base", tmp_path / "cand"
+    for side, tpot_s in ((base, 0.02), (cand, 0.03)):
+        requests, steps, memory, meta = synthetic_run("r[/y]", "[/bold][red]evil", 16, tpot_s=tpot_s)
+        summary = metrics.summarize_run(requests, steps, meta, memory)
+        values = {**summary.metrics, "quality_[/x]": 0.5}
+        results.write_run(side / "r", requests, steps, memory, meta, "x: 1\n", values, summary.missing)
+    html_out = ["--html", str(tmp_path / "h.html")]
+    assert compare.main([str(base), str(cand), "--all", *gates("tpot_ms_p99:+10%"), *html_out]) == 1
+    out = capsys.readouterr().out
+    assert "quality_[/x]" in out and "FAIL r[/y]: tpot_ms_p99" in out
+
+
+def test_compare_html_never_overwrites_a_user_file(baseline, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    planted = tmp_path / "reports" / f"compare-{baseline.name}.html"  # the default output path
+    planted.parent.mkdir()
+    planted.write_text("<p>my diff notes</p>")
+    assert compare.main([str(baseline), str(baseline)]) == 2
+    out = capsys.readouterr().out
+    assert "refusing to overwrite a file kvbench did not write" in out and planted.name in out
+    assert planted.read_text() == "<p>my diff notes</p>"
+    mine = tmp_path / "mine.html"
+    mine.write_text("<p>mine</p>")
+    assert compare.main([str(baseline), str(baseline), "--html", str(mine)]) == 2
+    assert mine.read_text() == "<p>mine</p>"
+    planted.unlink()
+    assert compare.main([str(baseline), str(baseline)]) == 0
+    assert compare.main([str(baseline), str(baseline)]) == 0  # its own page is replaced
+    assert sorted(p.name for p in planted.parent.iterdir()) == [planted.name]

@@ -2,42 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from chromium_render import find_chromium, render, run_chromium, unrendered_plots
 from plotly.offline import get_plotlyjs
-from run_fixtures import synthetic_run, write_sweep, write_synthetic
+from run_fixtures import run_kvbench, synthetic_run, write_sweep, write_synthetic
 
 from kvbench import metrics, report, results
-
-CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--enable-logging=stderr",
-    "--v=0",
-)
-# Prepended to a copy of the page: console.error/warn and uncaught errors become
-# "KVBENCH-CONSOLE-<level>" lines on Chromium's stderr (it logs every console call as INFO).
-CONSOLE_HOOK = """<script>
-(function () {
-  for (const level of ["error", "warn"]) {
-    const original = console[level].bind(console);
-    console[level] = (...args) => original("KVBENCH-CONSOLE-" + level.toUpperCase() + ": " + args.join(" "));
-  }
-  window.addEventListener("error", (e) => console.log("KVBENCH-CONSOLE-ERROR: " + e.message));
-})();
-</script>"""
+from kvbench.html_page import GENERATOR_META, PageOutputError, is_kvbench_page
 
 
 @pytest.fixture(scope="module")
@@ -103,53 +78,6 @@ def test_report_main_default_path_and_errors(tmp_path, monkeypatch, capsys):
 
 
 # --------------------------------------------------------------------------- Chromium
-def find_chromium() -> str:
-    for name in CHROMIUM_NAMES:
-        path = shutil.which(name)
-        if path:
-            return path
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail("CI is set but no Chromium binary was found (apt-get install -y chromium)")
-    pytest.skip("no Chromium binary (apt-get install -y chromium) and CI is not set")
-
-
-def run_chromium(binary: str, page: Path, tmp_path: Path, *mode: str) -> subprocess.CompletedProcess[str]:
-    profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
-    command = [
-        binary,
-        *CHROMIUM_FLAGS,
-        f"--user-data-dir={profile}",
-        "--virtual-time-budget=20000",
-        *mode,
-        page.as_uri(),
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
-
-
-def render(binary: str, page_path: Path, tmp_path: Path) -> tuple[str, list[str]]:
-    """(DOM after scripts ran, console error lines) for a copy of the page with CONSOLE_HOOK."""
-    hooked = tmp_path / f"hooked-{page_path.name}"
-    hooked.write_text(page_path.read_text().replace("<head>", "<head>" + CONSOLE_HOOK, 1))
-    done = run_chromium(binary, hooked, tmp_path, "--dump-dom")
-    assert done.returncode == 0, done.stderr[-2000:]
-    errors = [
-        line
-        for line in done.stderr.splitlines()
-        if "KVBENCH-CONSOLE-" in line or "Uncaught" in line or "ERROR:CONSOLE" in line
-    ]
-    return done.stdout, errors
-
-
-def unrendered_plots(dom: str, ids: list[str]) -> list[str]:
-    """Plot divs whose subtree has no plotly ``main-svg`` (each fig div is followed by the next)."""
-    missing = []
-    positions = [dom.find(f'id="{i}"') for i in ids] + [len(dom)]
-    for i, (start, end) in enumerate(zip(positions[:-1], positions[1:])):
-        if start < 0 or 'class="main-svg"' not in dom[start:end]:
-            missing.append(ids[i])
-    return missing
-
-
 def test_render_check_catches_broken_pages(tmp_path):
     binary = find_chromium()
     broken = tmp_path / "broken.html"
@@ -198,3 +126,95 @@ def test_first_admission_hit_rate_shown_next_to_the_reuse_bound(tmp_path):
     assert '<td class="num">0.75</td>' in page
     for _column, legend in report.PREFIX_RATES:  # the three rates drawn side by side, named
         assert legend in page
+
+
+# --------------------------------------------------------------------------- issue 17: output safety
+def test_report_of_a_copied_run_directory_is_named_after_that_directory(tmp_path, monkeypatch):
+    # Issue 17 item 8: the output used to be named after the sweep name stored in run.json,
+    # so reporting a copy of one run overwrote the whole sweep's report.
+    sweep_dir = write_sweep(tmp_path / "results", "gqa", failed=False)
+    monkeypatch.chdir(tmp_path)
+    assert report.report_main([str(sweep_dir)]) == 0
+    sweep_page = tmp_path / "reports" / "gqa.html"
+    before = sweep_page.read_bytes()
+    copy = tmp_path / "results" / "mine"
+    shutil.copytree(sweep_dir / "run1", copy)  # its run.json still says sweep_name "gqa"
+    assert report.report_main([str(copy)]) == 0
+    assert sweep_page.read_bytes() == before
+    page = (tmp_path / "reports" / "mine.html").read_text()
+    assert "<title>kvbench report: mine</title>" in page and "run1" in page
+    assert report.report_main(["results/mine/."]) == 0  # the resolved name, not "."
+    assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == ["gqa.html", "mine.html"]
+
+
+@pytest.mark.parametrize("kind", ["file", "directory", "symlink"])
+def test_report_never_overwrites_what_kvbench_did_not_write(kind, tmp_path, monkeypatch, capsys):
+    sweep_dir = write_sweep(tmp_path / "results", "thesis", failed=False)
+    monkeypatch.chdir(tmp_path)
+    planted = tmp_path / "reports" / "thesis.html"
+    planted.parent.mkdir()
+    notes = tmp_path / "notes.html"
+    notes.write_text("<html>my own notes</html>")
+    if kind == "file":
+        planted.write_text("<html>my own notes</html>")
+    elif kind == "directory":
+        planted.mkdir()
+        (planted / "keep.txt").write_text("mine")
+    else:
+        planted.symlink_to(notes)
+    assert report.report_main([str(sweep_dir)]) == 2
+    err = capsys.readouterr().err
+    assert str(Path("reports") / "thesis.html") in err and "refusing to overwrite" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert notes.read_text() == "<html>my own notes</html>"
+    if kind == "file":
+        assert planted.read_text() == "<html>my own notes</html>"
+    elif kind == "directory":
+        assert (planted / "keep.txt").read_text() == "mine"
+    else:
+        assert planted.is_symlink()
+    assert sorted(p.name for p in planted.parent.iterdir()) == ["thesis.html"]  # no temp file left
+    with pytest.raises(PageOutputError, match="refusing to overwrite"):
+        report.build_report(sweep_dir)  # the sweep's end-of-run report takes this path
+
+
+def test_report_replaces_its_own_page_and_legacy_pages(tmp_path, monkeypatch):
+    sweep_dir = write_sweep(tmp_path / "results", "nightly", failed=False)
+    monkeypatch.chdir(tmp_path)
+    page = tmp_path / "reports" / "nightly.html"
+    page.parent.mkdir()
+    # A report written before the generator tag existed: its exact opening bytes.
+    page.write_text('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n<title>kvbench report: x')
+    assert report.report_main([str(sweep_dir)]) == 0
+    assert is_kvbench_page(page) and GENERATOR_META in page.read_text()[:300]
+    assert report.report_main([str(sweep_dir)]) == 0  # and again over its own page
+
+
+def test_report_output_under_a_file_is_one_line(tmp_path, capsys):
+    sweep_dir = write_sweep(tmp_path / "results", "s", failed=False)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    assert report.report_main([str(sweep_dir), "--out", str(blocker / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert str(blocker / "r.html") in err and "cannot write" in err and len(err.strip().splitlines()) == 1
+    assert blocker.read_text() == "a file, not a directory"
+
+
+def test_sweep_end_report_never_overwrites_a_user_file(tmp_path):
+    planted = tmp_path / "reports" / "planted.html"
+    planted.parent.mkdir()
+    planted.write_text("<p>the user's page</p>")
+    out = run_kvbench(
+        "sweep",
+        "model=tiny-mqa",
+        "workload.num_requests=1",
+        "workload.prompt_len=24",
+        "workload.output_len=2",
+        "run.warmup=false",
+        "run.sweep_name=planted",
+        cwd=tmp_path,
+    )
+    assert out.returncode != 0, out.stdout  # the report could not be written: the sweep says so
+    assert f"{Path('reports') / 'planted.html'}: refusing to overwrite" in out.stderr
+    assert planted.read_text() == "<p>the user's page</p>"
+    assert list((tmp_path / "results" / "planted").glob("*/run.json"))  # the results are kept
