@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from run_fixtures import run_kvbench
 
 from kvbench.types import Request, Workload
 from kvbench.workloads.inspect import format_inspect, inspect_trace, inspect_workload, main
@@ -132,6 +134,40 @@ def test_cli_bad_input_and_skip_invalid(tmp_path, capsys) -> None:
     )
     assert main([str(config)]) == 2
     assert capsys.readouterr().err == "error: prompt_len.std: must be >= 0, got -2\n"
+
+
+def test_cli_bad_bytes_and_corrupt_gzip_are_one_line(tmp_path, capsys) -> None:
+    row = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n'
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(row.encode() + b'{"x\xe9": 1}\n')
+    assert main([str(latin)]) == 2
+    assert capsys.readouterr().err == f"error: {latin}:2: not UTF-8 (byte 0xe9 at column 4)\n"
+    assert main([str(latin), "--skip-invalid", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["counters"]["num_skipped_invalid"] == 1
+    packed = gzip.compress(row.encode() * 100)
+    for name, data in [("cut.jsonl.gz", packed[: len(packed) // 2]), ("junk.csv.gz", b"\x1f\x8bjunk")]:
+        path = tmp_path / name
+        path.write_bytes(data)
+        for extra in ([], ["--skip-invalid"]):
+            assert main([str(path), *extra]) == 2
+            err = capsys.readouterr().err
+            assert (
+                err.startswith(f"error: {path}: corrupt or truncated gzip data (") and err.count("\n") == 1
+            ), err
+
+
+def test_kvbench_trace_inspect_of_a_truncated_gzip_exits_nonzero_in_one_line(tmp_path) -> None:
+    """Through the installed command (kvbench/cli.py's trace path), as a user runs it."""
+    packed = gzip.compress(
+        b'{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n' * 100
+    )
+    (tmp_path / "bad.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    out = run_kvbench("trace", "inspect", "bad.jsonl.gz", cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        f"error: {tmp_path / 'bad.jsonl.gz'}: corrupt or truncated gzip data "
+        "(Compressed file ended before the end-of-stream marker was reached)\n"
+    )
 
 
 # *_large presets are paper-scale traffic for simulation mode (seed_claims), not for

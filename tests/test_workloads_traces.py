@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from run_fixtures import run_kvbench
 
+from kvbench.workloads.distributions import EmpiricalLength
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.replay import ReplayOptions, replay, scaled_block_lengths
 from kvbench.workloads.tokens import keyed_token_ids
@@ -481,3 +483,271 @@ def test_round_trip_burstgpt(tmp_path) -> None:
 
     assert fields(again) == fields(trace)  # lines differ: the failed request was not written
     assert again.counters["num_failed_requests_skipped"] == 0
+
+
+# --------------------------------------------------------------------------- bytes (issue 17)
+
+BURST_HEAD = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+SG_TURNS = '"conversations": [{"from": "h", "value": "hi"}, {"from": "g", "value": "yo"}]'
+# Per format: a file whose line 3 holds the byte 0xE9 (Latin-1 "é") after "café" in
+# valid UTF-8, and how many requests remain when that line is skipped.
+BAD_BYTE_FILES = {
+    "mooncake": (
+        "t.jsonl",
+        (mooncake_row(0) + "\n" + mooncake_row(1) + "\n").encode()
+        + b'{"timestamp": 2, "caf\xc3\xa9\xe9": 1}\n'
+        + (mooncake_row(3) + "\n").encode(),
+        23,  # '{"timestamp": 2, "café' is 22 characters (é is one), so the byte is the 23rd
+        3,
+    ),
+    "azure": (
+        "t.csv",
+        (AZ_HEAD + AZ_OK).encode()
+        + b"2023-11-16 18:00:01.0,1\xe9,2\n"
+        + AZ_OK.replace("00.0", "02.0").encode(),
+        24,
+        2,
+    ),
+    "burstgpt": (
+        "t.csv",
+        (BURST_HEAD + "1,ChatGPT,10,5,15,API log\n").encode()
+        + b"2,Caf\xc3\xa9\xe9,10,5,15,API log\n"
+        + b"3,ChatGPT,10,5,15,API log\n",
+        7,
+        2,
+    ),
+    "sharegpt": (
+        "s.json",
+        ('[\n{"id": "a", ' + SG_TURNS + "},\n").encode()
+        + b'{"id": "caf\xc3\xa9\xe9", '
+        + (SG_TURNS + "}\n]\n").encode(),
+        13,
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+@pytest.mark.parametrize("fmt", sorted(BAD_BYTE_FILES))
+def test_bytes_that_are_not_utf8_name_line_and_column(tmp_path, fmt: str, suffix: str) -> None:
+    name, data, column, num_left = BAD_BYTE_FILES[fmt]
+    path = tmp_path / (name + suffix)
+    path.write_bytes(gzip.compress(data) if suffix else data)
+    message = f"{path}:3: not UTF-8 (byte 0xe9 at column {column})"
+    with pytest.raises(TraceError, match="^" + re.escape(message) + "$"):
+        parse_trace(path, vocab_size=100)
+    trace = parse_trace(path, vocab_size=100, skip_invalid=True)
+    assert trace.counters["num_skipped_invalid"] == 1
+    assert len(trace.records) == num_left and 3 not in {r.line for r in trace.records}
+    workload = load_trace(path, vocab_size=100, skip_invalid=True)
+    assert workload.counters["num_skipped_invalid"] == 1
+
+
+def test_a_bad_byte_where_no_line_can_be_skipped_always_raises(tmp_path) -> None:
+    header = tmp_path / "h.csv"
+    header.write_bytes(b"TIMESTAMP,Context\xffTokens,GeneratedTokens\n" + AZ_OK.encode())
+    with pytest.raises(TraceError, match=re.escape(f"{header}:1: not UTF-8 (byte 0xff at column 18)")):
+        parse_trace(header, skip_invalid=True)  # detect_format reads the header
+    with pytest.raises(TraceError, match=re.escape(f"{header}:1: not UTF-8 (byte 0xff at column 18)")):
+        parse_trace(header, format="azure", skip_invalid=True)
+    # Between ShareGPT conversations the list cannot be resynchronised.
+    between = tmp_path / "s.json"
+    between.write_bytes(('[{"id": "a", ' + SG_TURNS + "}\n").encode() + b" \x80, {}]")
+    with pytest.raises(
+        TraceError, match="^" + re.escape(f"{between}:2: not UTF-8 (byte 0x80 at column 2)") + "$"
+    ):
+        parse_trace(between, vocab_size=100, skip_invalid=True)
+
+
+def test_a_skipped_bad_row_in_a_csv_spans_its_quoted_lines(tmp_path) -> None:
+    # A quoted newline makes one row of lines 3-4; the bad byte is on line 4.
+    path = tmp_path / "b.csv"
+    path.write_bytes(
+        (BURST_HEAD + "1,ChatGPT,10,5,15,API log\n").encode()
+        + b'2,"Chat\nG\xe9PT",10,5,15,API log\n3,ChatGPT,10,5,15,API log\n'
+    )
+    with pytest.raises(TraceError, match=re.escape(f"{path}:4: not UTF-8 (byte 0xe9 at column 2)")):
+        parse_trace(path)
+    trace = parse_trace(path, skip_invalid=True)
+    assert [r.line for r in trace.records] == [2, 5]
+
+
+def _gzip_variants(data: bytes) -> dict[str, bytes]:
+    packed = gzip.compress(data, mtime=0)
+    flipped = bytearray(packed)
+    flipped[len(packed) // 2] ^= 0xFF
+    return {
+        "cut in half": packed[: len(packed) // 2],
+        "header only": packed[:10],
+        "garbage after the magic": b"\x1f\x8b" + b"garbage" * 10,
+        "a flipped byte": bytes(flipped),
+        "garbage after the member": packed + b"junk",
+    }
+
+
+@pytest.mark.parametrize("damage", list(_gzip_variants(b"")))
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        ("m.jsonl.gz", MOONCAKE_CONV),
+        ("a.csv.gz", AZURE_CODE),
+        ("b.csv.gz", BURSTGPT),
+        ("s.json.gz", SHAREGPT),
+    ],
+)
+def test_corrupt_gzip_is_one_line_naming_the_file(tmp_path, name: str, source: Path, damage: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(_gzip_variants(source.read_bytes())[damage])
+    for skip_invalid in (False, True):
+        with pytest.raises(TraceError) as info:
+            parse_trace(path, vocab_size=100, skip_invalid=skip_invalid)
+        message = str(info.value)
+        assert message.isprintable(), message
+        # A flipped byte may also surface first as a bad byte on some line.
+        assert message.startswith(f"{path}: corrupt or truncated gzip data (") or re.match(
+            re.escape(str(path)) + r":\d+: ", message
+        ), message
+        if damage != "a flipped byte":
+            assert message.startswith(f"{path}: corrupt or truncated gzip data ("), message
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "problem"),
+    [
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 5, "hash_ids": [1]}',
+         "timestamp", "must be a finite number >= 0, got an int of 1329 bits"),
+        ('{"timestamp": 1e400, "input_length": 10, "output_length": 5, "hash_ids": [1]}',
+         "timestamp", "must be a finite number >= 0, got inf"),
+        ('{"timestamp": NaN, "input_length": 10, "output_length": 5, "hash_ids": [1]}',
+         "timestamp", "must be a finite number >= 0, got nan"),
+        ('{"timestamp": 1e14, "input_length": 10, "output_length": 5, "hash_ids": [1]}',
+         "timestamp", "must be <= 1e+10 s, got 100000000000 s"),
+        (mooncake_row(inp=2**24 + 1, ids=list(range(32769))), "input_length", "must be <= 16777216, got 16777217"),
+        (mooncake_row(ids=[2**63]), "hash_ids", "must be <= 9223372036854775807, got 9223372036854775808"),
+        (mooncake_row(out=10**30), "output_length", "must be <= 16777216, got an int of 100 bits"),
+        ('{"timestamp": ' + "1" * 5000 + "}", "<json>",
+         "invalid JSON: Exceeds the limit (4300 digits) for integer string conversion: value has 5000 digits"),
+        ("[" * 5000 + "]" * 5000, "<json>", "invalid JSON: nested too deeply"),
+        (mooncake_row(**{"a\nb": 1}), "a\\nb",
+         "unexpected field (expected exactly timestamp, input_length, output_length, hash_ids)"),
+        (mooncake_row(**{"k" * 100: 1}), "k" * 60 + "... (100 chars)",
+         "unexpected field (expected exactly timestamp, input_length, output_length, hash_ids)"),
+    ],
+    ids=["int-timestamp-1329-bits", "1e400", "NaN", "timestamp-past-bound", "tokens-past-bound",
+         "hash-id-past-int64", "huge-int", "5000-digits", "deep-nesting", "newline-in-key", "long-key"],
+)  # fmt: skip
+def test_mooncake_hostile_values_are_one_line_errors(tmp_path, row: str, field: str, problem: str) -> None:
+    path = write(tmp_path, "t.jsonl", mooncake_row() + "\n" + row + "\n")
+    with raises_exactly(path, 2, field, problem):
+        parse_trace(path)
+    assert parse_trace(path, skip_invalid=True).counters["num_skipped_invalid"] == 1
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "problem"),
+    [
+        ("2023-11-16 18:00:01.0," + "1" * 5000 + ",2", "ContextTokens",
+         "must be in [1, 16777216], got '" + "1" * 59 + "... (5002 chars)"),
+        ("2023-11-16 18:00:01.0,999999999999999999,2", "ContextTokens",
+         "must be in [1, 16777216], got '999999999999999999'"),
+        ("2023-11-16 18:00:01.0,16777217,2", "ContextTokens", "must be <= 16777216, got 16777217"),
+        ("2023-11-16 18:00:01.0,\u0661\u0662,2", "ContextTokens", "expected an int, got '\u0661\u0662'"),
+        ("2023-11-16 18:00:01.0,1_0,2", "ContextTokens", "expected an int, got '1_0'"),
+        ("\u0662023-11-16 18:00:01.0,10,2", "TIMESTAMP",
+         "expected 'YYYY-MM-DD HH:MM:SS.fffffff', got '\u0662023-11-16 18:00:01.0'"),
+    ],
+    ids=["5000-digits", "18-digits", "tokens-past-bound", "arabic-digits", "underscore", "arabic-date"],
+)  # fmt: skip
+def test_azure_hostile_values_are_one_line_errors(tmp_path, row: str, field: str, problem: str) -> None:
+    path = write(tmp_path, "t.csv", AZ_HEAD + AZ_OK + row + "\n")
+    with raises_exactly(path, 3, field, problem):
+        parse_trace(path)
+    assert parse_trace(path, skip_invalid=True).counters["num_skipped_invalid"] == 1
+
+
+def test_burstgpt_number_text_is_ascii_and_a_huge_field_is_a_skippable_row(tmp_path) -> None:
+    path = write(tmp_path, "b.csv", BURST_HEAD + "1_5,ChatGPT,10,5,15,API log\n")
+    with raises_exactly(path, 2, "Timestamp", "expected a number, got '1_5'"):
+        parse_trace(path)
+    huge = write(
+        tmp_path, "h.csv", BURST_HEAD + '1,"' + "x" * 140_000 + '",10,5,15,API log\n2,M,1,1,2,API log\n'
+    )
+    with pytest.raises(
+        TraceError, match="^" + re.escape(f"{huge}:2: bad CSV row: field larger than field limit")
+    ):
+        parse_trace(huge)
+    assert [r.line for r in parse_trace(huge, skip_invalid=True).records] == [3]
+
+
+def test_sharegpt_lone_surrogates_and_odd_ids_are_errors(tmp_path) -> None:
+    path = write(tmp_path, "s.json", '[{"id": "a", "conversations": [{"from": "h", "value": "ok\\ud800"}, '
+                 '{"from": "g", "value": "yo"}]}]')  # fmt: skip
+    with raises_exactly(
+        path, 1, "conversations[0].value", "not valid Unicode (lone surrogate U+D800 at character 3)"
+    ):
+        parse_trace(path, vocab_size=100)
+    path = write(tmp_path, "i.json", "[{" + '"id": [1], ' + SG_TURNS + "}]")
+    with raises_exactly(path, 1, "id", "expected a string or an int, got list"):
+        parse_trace(path, vocab_size=100)
+    deep = write(tmp_path, "d.json", "[" * 5000)
+    with raises_exactly(deep, 1, "<json>", "invalid JSON: nested too deeply"):
+        parse_trace(deep, vocab_size=100)
+
+
+def test_paths_are_reported_absolute(tmp_path, monkeypatch) -> None:
+    # A relative FILE in ``FILE: problem`` would read like a config key in the run's
+    # "workload.FILE: problem" error; an absolute one cannot.
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "t.jsonl", mooncake_row() + "\n")
+    assert parse_trace("t.jsonl").path == str(tmp_path / "t.jsonl")
+    (tmp_path / "t.jsonl.gz").write_bytes(b"\x1f\x8bgarbage")
+    with pytest.raises(
+        TraceError, match="^" + re.escape(f"{tmp_path / 't.jsonl.gz'}: corrupt or truncated gzip")
+    ):
+        parse_trace("t.jsonl.gz")
+    with pytest.raises(FileNotFoundError, match="no such trace file"):
+        parse_trace(tmp_path)  # a directory is not a trace file
+
+
+def test_a_capped_prompt_is_drawn_only_up_to_the_cap(tmp_path) -> None:
+    # A 16.7M-token record costs nothing when capped, and capping keeps the ids' prefix.
+    path = write(
+        tmp_path, "a.csv", AZ_HEAD + f"2023-11-16 18:00:00.0,{2**24},2\n2023-11-16 18:00:01.0,500,2\n"
+    )
+    capped = load_trace(path, vocab_size=1000, max_prompt_tokens=40)
+    assert [r.num_prompt_tokens for r in capped.requests] == [40, 40]
+    assert capped.counters["num_prompt_tokens_truncated"] == 2**24 - 40 + 500 - 40
+    full = load_trace(path, vocab_size=1000, start_s=0.5)  # the 500-token record alone
+    assert capped.requests[1].prompt_token_ids == full.requests[0].prompt_token_ids[:40]
+
+
+def test_kvbench_run_on_a_truncated_gzip_names_the_file_on_one_screen(tmp_path) -> None:
+    packed = gzip.compress(MOONCAKE_CONV.read_bytes())
+    (tmp_path / "bad.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    out = run_kvbench(
+        "run", "engine=paged", "workload=mooncake_conversation", "workload.path=bad.jsonl.gz",
+        "workload.max_requests=2", "run.warmup=false", "run.mode=sim", cwd=tmp_path,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert (
+        f"workload: {tmp_path / 'bad.jsonl.gz'}: corrupt or truncated gzip data "
+        "(Compressed file ended before the end-of-stream marker was reached)" in text
+    ), text
+    assert "Traceback" not in text and "Exception" not in text and len(text.strip().splitlines()) <= 25, text
+
+
+def test_length_files_share_the_byte_and_bound_checks(tmp_path) -> None:
+    path = tmp_path / "lengths.txt"
+    path.write_bytes(b"12\n# caf\xe9\n7\n")
+    with pytest.raises(
+        TraceError, match="^" + re.escape(f"{path}:2: not UTF-8 (byte 0xe9 at column 6)") + "$"
+    ):
+        EmpiricalLength.from_file(path)
+    path.write_text("12\n99999999999999999999\n")
+    with raises_exactly(path, 2, "length", "must be <= 16777216, got 99999999999999999999"):
+        EmpiricalLength.from_file(path)
+    packed = tmp_path / "lengths.txt.gz"
+    packed.write_bytes(gzip.compress(b"12\n" * 1000)[:30])
+    with pytest.raises(TraceError, match="^" + re.escape(f"{packed}: corrupt or truncated gzip data (")):
+        EmpiricalLength.from_file(packed)

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
-from kvbench.workloads.trace_io import open_text
+from kvbench.workloads.trace_formats import MAX_TRACE_TOKENS
+from kvbench.workloads.trace_io import check_utf8, open_text
 
 # --------------------------------------------------------------------------- lengths
 
@@ -127,11 +128,13 @@ class EmpiricalLength:
     ) -> EmpiricalLength:
         """Read lengths from ``path`` (``.gz`` allowed): one int per line (``#`` comments and
         blank lines ignored) or, with ``column``, that column of a CSV with a header.
-        Raises TraceError naming the line for a value that is not a positive int."""
+        Raises TraceError naming the line for a value that is not a positive int (at most
+        MAX_TRACE_TOKENS) or a byte that is not UTF-8."""
         values: list[int] = []
         with open_text(path) as handle:
             if column is None:
                 for line_no, line in enumerate(handle, start=1):
+                    check_utf8(path, line_no, line)
                     text = line.split("#", 1)[0].strip()
                     if text:
                         values.append(_positive_int(text, path, line_no, "length"))
@@ -153,6 +156,8 @@ def _positive_int(text: str | None, path: str | Path, line_no: int, field: str) 
         raise TraceError(path, line_no, field, f"expected a positive int, got {text!r}") from None
     if value < 1:
         raise TraceError(path, line_no, field, f"must be >= 1, got {value}")
+    if value > MAX_TRACE_TOKENS:
+        raise TraceError(path, line_no, field, f"must be <= {MAX_TRACE_TOKENS}, got {value}")
     return value
 
 

@@ -148,11 +148,10 @@ def replay(
     requests = []
     for index in indices:
         record = records[index]
-        prompt = _prompt_ids(record, options, vocab_size, seed, blocks)
-        if options.max_prompt_tokens is not None and len(prompt) > options.max_prompt_tokens:
+        prompt, prompt_len = _prompt_ids(record, options, vocab_size, seed, blocks)
+        if prompt_len > len(prompt):
             counters["num_prompts_truncated"] += 1
-            counters["num_prompt_tokens_truncated"] += len(prompt) - options.max_prompt_tokens
-            prompt = prompt[: options.max_prompt_tokens]
+            counters["num_prompt_tokens_truncated"] += prompt_len - len(prompt)
         output_len = max(1, round(record.output_length * options.output_scale))
         if options.max_output_tokens is not None and output_len > options.max_output_tokens:
             counters["num_outputs_truncated"] += 1
@@ -238,13 +237,21 @@ _PREFETCH_BLOCKS = 256  # 128K tokens of 512-token Mooncake blocks per call (cac
 
 def _prompt_ids(
     record: TraceRecord, options: ReplayOptions, vocab_size: int, seed: int, blocks: _HashBlockIds
-) -> np.ndarray:
-    """The record's prompt token ids after length scaling (before caps): a read-only int32
-    array for hash-id records (from ``blocks``), int64 otherwise."""
+) -> tuple[np.ndarray, int]:
+    """The record's prompt token ids after length scaling, cut to ``max_prompt_tokens``,
+    and the prompt's length before the cut: a read-only int32 array for hash-id records
+    (from ``blocks``), int64 otherwise. Random ids are drawn only up to the cap (the
+    first n draws of a stream do not depend on how many follow), so a huge recorded
+    length costs nothing when capped."""
+    cap = options.max_prompt_tokens
     if record.hash_ids is not None:
-        return blocks.prompt(record.hash_ids, scaled_block_lengths(record, options.length_scale))
+        prompt = blocks.prompt(record.hash_ids, scaled_block_lengths(record, options.length_scale))
+        return prompt[:cap], len(prompt)
     length = max(1, round(record.input_length * options.length_scale))
+    kept = length if cap is None else min(length, cap)
     if record.prompt_token_ids is not None:
         # Scaling text-derived prompts keeps their prefix, so shared prefixes stay shared.
-        return np.asarray(record.prompt_token_ids[:length], dtype=np.int64)
-    return random_token_ids(derive_rng(seed, STREAM_TOKENS, record.line), length, vocab_size)
+        length = min(length, len(record.prompt_token_ids))
+        kept = min(kept, length)
+        return np.asarray(record.prompt_token_ids[:kept], dtype=np.int64), length
+    return random_token_ids(derive_rng(seed, STREAM_TOKENS, record.line), kept, vocab_size), length

@@ -2,7 +2,11 @@
 
 One parser per format; each checks every field of every row and either raises a
 TraceError (``FILE:LINE: field 'NAME': problem``) or, with ``skip_invalid``, skips the
-row and counts it in ``num_skipped_invalid``. An empty result is always an error.
+row and counts it in ``num_skipped_invalid``. A line with a byte that is not UTF-8 is a
+bad row like any other (``FILE:LINE: not UTF-8 (byte 0xNN at column C)``). Token counts
+are ints in ``[1, MAX_TRACE_TOKENS]`` and times finite, ``<= MAX_TRACE_SECONDS``. What
+cannot be skipped raises whatever ``skip_invalid`` says: a bad header, JSON that cannot
+be resynchronised (ShareGPT), a corrupt gzip stream (``FILE: problem``), an empty result.
 
 Formats (schemas in data/README.md):
 
@@ -28,14 +32,21 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
 from kvbench.hashing import stable_key
 from kvbench.workloads.errors import TraceError
 from kvbench.workloads.tokens import Tokenizer, keyed_token_ids
-from kvbench.workloads.trace_io import AZURE_HEADER, BURSTGPT_HEADER, open_text
+from kvbench.workloads.trace_io import (
+    AZURE_HEADER,
+    BURSTGPT_HEADER,
+    bad_byte_error,
+    bad_byte_index,
+    check_utf8,
+    open_text,
+)
 
 MOONCAKE_BLOCK_TOKENS = 512
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -45,8 +56,20 @@ SHAREGPT_TURN_FIELDS = ("from", "value")
 # Without a tokenizer, a ShareGPT text of c characters counts as ceil(c / 4) tokens: the
 # usual rule of thumb for English BPE vocabularies (about 4 characters per token).
 CHARS_PER_TOKEN = 4
+# Bounds on recorded values. A token count above MAX_TRACE_TOKENS (16.8M) exceeds every
+# released model's context window (10M) and the shipped traces' largest prompt (191K) by
+# far: it is a corrupt value, and replaying it uncapped would allocate gigabytes. Mooncake
+# hash ids become int64 keys. A time above MAX_TRACE_SECONDS (317 years) is corrupt too,
+# and keeps scaled arrival times finite.
+MAX_TRACE_TOKENS = 2**24
+MAX_HASH_ID = 2**63 - 1
+MAX_TRACE_SECONDS = 1e10
+# A shown value (a bad field, a header) is cut to this many characters of its repr.
+_MAX_SHOWN_CHARS = 60
 
-_AZURE_TIME = re.compile(r"^(\d{4}-\d{2}-\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,7}))?(\+00:00)?$")
+# ASCII digits only: int() and float() also accept other scripts' digits and underscores.
+_AZURE_TIME = re.compile(r"(\d{4}-\d{2}-\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,7}))?(\+00:00)?", re.ASCII)
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -97,6 +120,13 @@ class _Collector:
             records = parse()
             last_s, last_line = self._last_time_s, self._last_line
             for record in records:
+                if record.timestamp_s > MAX_TRACE_SECONDS:
+                    raise TraceError(
+                        self.path,
+                        record.line,
+                        self.time_field,
+                        f"must be <= {MAX_TRACE_SECONDS:.0e} s, got {_fmt_time(record.timestamp_s)} s",
+                    )
                 if record.timestamp_s < last_s:
                     raise TraceError(
                         self.path,
@@ -133,46 +163,76 @@ def _fmt_time(value: float) -> str:
 # --------------------------------------------------------------------------- field checks
 
 
-def _int_field(path: str, line: int, name: str, value: Any, minimum: int) -> int:
-    """An int from JSON or CSV text, ``>= minimum``; bools and floats are wrong types."""
+def _shown(value: Any) -> str:
+    """``repr(value)`` for a message, cut to _MAX_SHOWN_CHARS; a huge int by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    if len(text) > _MAX_SHOWN_CHARS:
+        return f"{text[:_MAX_SHOWN_CHARS]}... ({len(text)} chars)"
+    return text
+
+
+def _cut(text: str) -> str:
+    """``text`` (a field name from the file) cut to _MAX_SHOWN_CHARS characters."""
+    return text if len(text) <= _MAX_SHOWN_CHARS else f"{text[:_MAX_SHOWN_CHARS]}... ({len(text)} chars)"
+
+
+def _int_field(
+    path: str, line: int, name: str, value: Any, minimum: int, maximum: int = MAX_TRACE_TOKENS
+) -> int:
+    """An int from JSON or CSV text in ``[minimum, maximum]``; bools and floats are wrong types."""
     if isinstance(value, str):
         text = value.strip()
-        if not re.fullmatch(r"[+-]?\d+", text):
-            raise TraceError(path, line, name, f"expected an int, got {value!r}")
+        if not _INT_TEXT.fullmatch(text):
+            raise TraceError(path, line, name, f"expected an int, got {_shown(value)}")
+        # int() refuses more than 4300 digits; so many digits are out of range anyway.
+        if len(text.lstrip("+-").lstrip("0")) > len(str(max(abs(minimum), maximum))):
+            raise TraceError(path, line, name, f"must be in [{minimum}, {maximum}], got {_shown(text)}")
         value = int(text)
     elif isinstance(value, bool) or not isinstance(value, int):
-        raise TraceError(path, line, name, f"expected an int, got {type(value).__name__} {value!r}")
+        raise TraceError(path, line, name, f"expected an int, got {type(value).__name__} {_shown(value)}")
     if value < minimum:
-        raise TraceError(path, line, name, f"must be >= {minimum}, got {value}")
+        raise TraceError(path, line, name, f"must be >= {minimum}, got {_shown(value)}")
+    if value > maximum:
+        raise TraceError(path, line, name, f"must be <= {maximum}, got {_shown(value)}")
     return value
 
 
-def _json_int(path: str, line: int, name: str, value: Any, minimum: int) -> int:
+def _json_int(
+    path: str, line: int, name: str, value: Any, minimum: int, maximum: int = MAX_TRACE_TOKENS
+) -> int:
     """An int from a JSON value: a string is a wrong type here, unlike in CSV text."""
     if isinstance(value, str):
-        raise TraceError(path, line, name, f"expected an int, got str {value!r}")
-    return _int_field(path, line, name, value, minimum)
+        raise TraceError(path, line, name, f"expected an int, got str {_shown(value)}")
+    return _int_field(path, line, name, value, minimum, maximum)
 
 
 def _json_number(path: str, line: int, name: str, value: Any) -> float:
     if isinstance(value, str):
-        raise TraceError(path, line, name, f"expected a number, got str {value!r}")
+        raise TraceError(path, line, name, f"expected a number, got str {_shown(value)}")
     return _float_field(path, line, name, value)
 
 
 def _float_field(path: str, line: int, name: str, value: Any) -> float:
-    """A finite number >= 0 from JSON or CSV text."""
+    """A finite number >= 0 from JSON or CSV text (ASCII digits, no underscores)."""
     if isinstance(value, str):
+        text = value.strip()
         try:
-            number = float(value.strip())
+            if not text.isascii() or "_" in text:
+                raise ValueError(text)
+            number = float(text)
         except ValueError:
-            raise TraceError(path, line, name, f"expected a number, got {value!r}") from None
+            raise TraceError(path, line, name, f"expected a number, got {_shown(value)}") from None
     elif isinstance(value, bool) or not isinstance(value, int | float):
-        raise TraceError(path, line, name, f"expected a number, got {type(value).__name__} {value!r}")
+        raise TraceError(path, line, name, f"expected a number, got {type(value).__name__} {_shown(value)}")
     else:
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float range
+            number = math.inf if value > 0 else -math.inf
     if not math.isfinite(number) or number < 0:
-        raise TraceError(path, line, name, f"must be a finite number >= 0, got {value!r}")
+        raise TraceError(path, line, name, f"must be a finite number >= 0, got {_shown(value)}")
     return number
 
 
@@ -183,21 +243,65 @@ def _check_keys(path: str, line: int, obj: Mapping[str, Any], expected: tuple[st
     for name in obj:
         if name not in expected:
             raise TraceError(
-                path, line, str(name), f"unexpected field (expected exactly {', '.join(expected)})"
+                path, line, _cut(name), f"unexpected field (expected exactly {', '.join(expected)})"
             )
 
 
-def _csv_rows(handle: Any) -> Iterator[tuple[int, list[str]]]:
-    """Yield ``(line, cells)`` for each non-blank data row of a CSV whose header line was
-    already read (``line``: the file line where the row ends)."""
-    reader = csv.reader(handle)
-    for cells in reader:
-        if cells and any(cell.strip() for cell in cells):
-            yield reader.line_num + 1, cells
+@dataclass(frozen=True)
+class _CsvRow:
+    """One data row of a CSV trace: its cells, or why it cannot be read (``error``).
+    ``line`` is the file line where the row ends (where its bad byte is, for a byte that
+    is not UTF-8)."""
+
+    line: int
+    cells: tuple[str, ...]
+    error: TraceError | None = None
 
 
-def _row_dict(path: str, line: int, cells: list[str], header: tuple[str, ...]) -> dict[str, str]:
-    """``{column: text}``; a missing or extra value raises TraceError naming the column."""
+def _csv_rows(path: str, handle: TextIO) -> Iterator[_CsvRow]:
+    """The non-blank data rows of a CSV whose header line (line 1) was already read.
+
+    A row with a byte that is not UTF-8, or that the csv module rejects (a field over its
+    size limit), comes with its error, raised by ``_row_dict`` so that ``skip_invalid``
+    can skip it like any other bad row; reading resumes at the next line.
+    """
+    row_lines: list[str] = []  # the physical lines of the row being read
+
+    def lines() -> Iterator[str]:
+        for text in handle:
+            row_lines.append(text)
+            yield text
+
+    reader = csv.reader(lines())
+    first_line = 2  # the line the next row starts on
+    while True:
+        try:
+            cells = tuple(next(reader))
+            error = None
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            cells, error = (), TraceError(path, first_line + len(row_lines) - 1, None, f"bad CSV row: {exc}")
+        for offset, text in enumerate(row_lines):
+            index = bad_byte_index(text)
+            if index >= 0:
+                error = bad_byte_error(path, first_line + offset, index + 1, text[index])
+                break
+        end_line = first_line + len(row_lines) - 1
+        first_line += len(row_lines)
+        row_lines.clear()
+        if error is not None:
+            yield _CsvRow(error.line, cells, error)
+        elif cells and any(cell.strip() for cell in cells):
+            yield _CsvRow(end_line, cells)
+
+
+def _row_dict(path: str, row: _CsvRow, header: tuple[str, ...]) -> dict[str, str]:
+    """``{column: text}``; a row that could not be read raises its error, and a missing
+    or extra value raises TraceError naming the column."""
+    if row.error is not None:
+        raise row.error
+    line, cells = row.line, row.cells
     if len(cells) < len(header):
         raise TraceError(
             path, line, header[len(cells)], f"missing (row has {len(cells)} of {len(header)} columns)"
@@ -207,23 +311,38 @@ def _row_dict(path: str, line: int, cells: list[str], header: tuple[str, ...]) -
             path,
             line,
             f"<column {len(header) + 1}>",
-            f"unexpected extra value {cells[len(header)]!r} (the header has {len(header)} columns)",
+            f"unexpected extra value {_shown(cells[len(header)])} (the header has {len(header)} columns)",
         )
     return dict(zip(header, cells))
 
 
 def _read_header(
-    path: str, handle: Any, allowed: Callable[[tuple[str, ...]], bool], expected: str
+    path: str, handle: TextIO, allowed: Callable[[tuple[str, ...]], bool], expected: str
 ) -> tuple[str, ...]:
     first = handle.readline()
+    check_utf8(path, 1, first)
     if not first.strip():
         raise TraceError(path, 0, "<records>", "empty trace: no header and no rows")
-    header = tuple(col.strip() for col in next(csv.reader([first])))
+    try:
+        cells = next(csv.reader([first]))
+    except csv.Error as exc:
+        raise TraceError(path, 1, "<header>", f"bad CSV row: {exc}") from None
+    header = tuple(col.strip() for col in cells)
     if header and header[0].startswith("\ufeff"):
         header = (header[0][1:], *header[1:])
     if not allowed(header):
-        raise TraceError(path, 1, "<header>", f"expected columns {expected}, got {','.join(header)!r}")
+        raise TraceError(path, 1, "<header>", f"expected columns {expected}, got {_shown(','.join(header))}")
     return header
+
+
+def _json_problem(exc: ValueError | RecursionError) -> str:
+    """What json rejected: a syntax error (JSONDecodeError), an int of over 4300 digits
+    (ValueError) or nesting deeper than the interpreter's recursion limit."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"invalid JSON: {exc.msg} (column {exc.colno})"
+    if isinstance(exc, RecursionError):
+        return "invalid JSON: nested too deeply"
+    return f"invalid JSON: {str(exc).split(';')[0]}"
 
 
 # --------------------------------------------------------------------------- Mooncake
@@ -241,10 +360,11 @@ def parse_mooncake(path: str | Path, skip_invalid: bool = False) -> ParsedTrace:
 
 
 def _mooncake_record(path: str, line: int, text: str) -> TraceRecord:
+    check_utf8(path, line, text)
     try:
         obj = json.loads(text.rstrip("\r\n"))
-    except json.JSONDecodeError as exc:
-        raise TraceError(path, line, "<json>", f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:
+        raise TraceError(path, line, "<json>", _json_problem(exc)) from None
     if not isinstance(obj, dict):
         raise TraceError(path, line, "<json>", f"expected a JSON object, got {type(obj).__name__}")
     _check_keys(path, line, obj, MOONCAKE_FIELDS)
@@ -254,7 +374,7 @@ def _mooncake_record(path: str, line: int, text: str) -> TraceRecord:
     raw_ids = obj["hash_ids"]
     if not isinstance(raw_ids, list):
         raise TraceError(path, line, "hash_ids", f"expected a list of ints, got {type(raw_ids).__name__}")
-    hash_ids = tuple(_json_int(path, line, "hash_ids", value, 0) for value in raw_ids)
+    hash_ids = tuple(_json_int(path, line, "hash_ids", value, 0, MAX_HASH_ID) for value in raw_ids)
     num_blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
     if len(hash_ids) != num_blocks:
         raise TraceError(
@@ -278,20 +398,18 @@ def parse_azure(path: str | Path, skip_invalid: bool = False) -> ParsedTrace:
     origin: list[dt.date] = []  # set by the first valid row
     with open_text(path) as handle:
         header = _read_header(spath, handle, lambda h: h == AZURE_HEADER, ",".join(AZURE_HEADER))
-        for line, cells in _csv_rows(handle):
-            out.add(
-                lambda line=line, cells=cells: [
-                    _azure_record(spath, line, _row_dict(spath, line, cells, header), origin)
-                ]
-            )
+        for row in _csv_rows(spath, handle):
+            out.add(lambda row=row: [_azure_record(spath, row.line, _row_dict(spath, row, header), origin)])
     return out.finish("azure", time_origin=origin[0].isoformat() if origin else "")
 
 
 def _azure_record(path: str, line: int, row: dict[str, str], origin: list[dt.date]) -> TraceRecord:
     text = row["TIMESTAMP"].strip()
-    match = _AZURE_TIME.match(text)
+    match = _AZURE_TIME.fullmatch(text)
     if match is None:
-        raise TraceError(path, line, "TIMESTAMP", f"expected 'YYYY-MM-DD HH:MM:SS.fffffff', got {text!r}")
+        raise TraceError(
+            path, line, "TIMESTAMP", f"expected 'YYYY-MM-DD HH:MM:SS.fffffff', got {_shown(text)}"
+        )
     day_text, hours, minutes, seconds, fraction, _ = match.groups()
     try:
         day = dt.date.fromisoformat(day_text)
@@ -324,12 +442,8 @@ def parse_burstgpt(path: str | Path, skip_invalid: bool = False) -> ParsedTrace:
     expected = ",".join(BURSTGPT_HEADER) + f"[,{','.join(BURSTGPT_OPTIONAL)}]"
     with open_text(path) as handle:
         header = _read_header(spath, handle, allowed, expected)
-        for line, cells in _csv_rows(handle):
-            out.add(
-                lambda line=line, cells=cells: _burstgpt_records(
-                    spath, line, _row_dict(spath, line, cells, header), out
-                )
-            )
+        for row in _csv_rows(spath, handle):
+            out.add(lambda row=row: _burstgpt_records(spath, row.line, _row_dict(spath, row, header), out))
     return out.finish("burstgpt")
 
 
@@ -397,6 +511,13 @@ def parse_sharegpt(
                 spath, line, "<json>", f"expected a conversation object, got {type(entry).__name__}"
             )
         _check_keys(spath, line, entry, SHAREGPT_FIELDS)
+        conversation_id = entry["id"]
+        if isinstance(conversation_id, bool) or not isinstance(conversation_id, str | int):
+            raise TraceError(
+                spath, line, "id", f"expected a string or an int, got {type(conversation_id).__name__}"
+            )
+        if isinstance(conversation_id, str):
+            _check_unicode(spath, line, "id", conversation_id)
         turns = entry["conversations"]
         if not isinstance(turns, list):
             raise TraceError(spath, line, "conversations", f"expected a list, got {type(turns).__name__}")
@@ -411,8 +532,9 @@ def parse_sharegpt(
                         spath,
                         line,
                         f"conversations[{index}].{name}",
-                        f"expected a string, got {turn[name]!r}",
+                        f"expected a string, got {_shown(turn[name])}",
                     )
+                _check_unicode(spath, line, f"conversations[{index}].{name}", turn[name])
             texts.append(turn["value"])
         if len(texts) < 2:
             out.count("num_conversations_too_short")
@@ -423,7 +545,7 @@ def parse_sharegpt(
             prompt = prompt + encode(texts[2 * k])
             output_len = len(encode(texts[2 * k + 1]))
             if prompt and output_len:
-                tags = {"conversation": str(entry["id"]), "turn": str(k)}
+                tags = {"conversation": str(conversation_id), "turn": str(k)}
                 records.append(
                     TraceRecord(line, 0.0, len(prompt), output_len, prompt_token_ids=prompt, tags=tags)
                 )
@@ -432,14 +554,43 @@ def parse_sharegpt(
             prompt = prompt + encode(texts[2 * k + 1])
         return records
 
-    for line, entry in _json_list_entries(spath):
-        out.add(lambda line=line, entry=entry: entry_records(line, entry))
+    for line, entry, bad_byte in _json_list_entries(spath):
+        if bad_byte is not None:
+            out.add(lambda bad_byte=bad_byte: _raise(bad_byte))
+        else:
+            out.add(lambda line=line, entry=entry: entry_records(line, entry))
     return out.finish("sharegpt", has_timestamps=False)
 
 
-def _json_list_entries(path: str) -> Iterator[tuple[int, Any]]:
-    """Yield ``(line, entry)`` for each element of a top-level JSON list, with the line
-    where the element starts (json.load alone cannot tell)."""
+def _raise(error: TraceError) -> list[TraceRecord]:
+    raise error
+
+
+# A JSON string may escape a lone UTF-16 surrogate ("\ud800"): valid JSON, but no text.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(path: str, line: int, name: str, text: str) -> None:
+    """Raise TraceError if ``text`` (a parsed JSON string) holds a lone surrogate, which no
+    tokenizer or UTF-8 writer accepts."""
+    match = _SURROGATE.search(text)
+    if match is not None:
+        raise TraceError(
+            path,
+            line,
+            name,
+            f"not valid Unicode (lone surrogate U+{ord(match.group()):04X} at character {match.start() + 1})",
+        )
+
+
+def _json_list_entries(path: str) -> Iterator[tuple[int, Any, TraceError | None]]:
+    """Yield ``(line, entry, bad_byte)`` for each element of a top-level JSON list, with
+    the line where the element starts (json.load alone cannot tell).
+
+    ``bad_byte`` is the error for the element's first byte that is not UTF-8, at its own
+    line and column (the element is then invalid, and skippable). A bad byte outside the
+    elements, or JSON that does not parse, raises: the list cannot be resynchronised.
+    """
     with open_text(path) as handle:
         text = handle.read()
     decoder = json.JSONDecoder()
@@ -453,12 +604,27 @@ def _json_list_entries(path: str) -> Iterator[tuple[int, Any]]:
     def advance(line: int, start: int, end: int) -> int:
         return line + text.count("\n", start, end)
 
+    def bad_byte(start: int, start_line: int, end: int) -> TraceError | None:
+        """The error for the first undecodable byte in ``text[start:end]``, or None;
+        ``start`` is on line ``start_line``."""
+        index = bad_byte_index(text, start, end)
+        if index < 0:
+            return None
+        column = index - text.rfind("\n", 0, index)  # 1-based: rfind gives -1 on line 1
+        return bad_byte_error(path, advance(start_line, start, index), column, text[index])
+
+    def syntax_error(start: int, start_line: int, at: int, error: TraceError) -> TraceError:
+        """``error`` (a JSON syntax error at ``at``), or the undecodable byte that caused it."""
+        return bad_byte(start, start_line, at + 1) or error
+
     start = skip_ws(0)
     line = advance(line, 0, start)
     if start >= len(text):
         raise TraceError(path, 0, "<records>", "empty trace: the file is empty")
     if text[start] != "[":
-        raise TraceError(path, line, "<json>", "expected a JSON list of conversations")
+        raise syntax_error(
+            0, 1, start, TraceError(path, line, "<json>", "expected a JSON list of conversations")
+        )
     pos = skip_ws(start + 1)
     line = advance(line, start, pos)
     if pos < len(text) and text[pos] == "]":
@@ -467,16 +633,18 @@ def _json_list_entries(path: str) -> Iterator[tuple[int, Any]]:
         try:
             entry, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise TraceError(
-                path, exc.lineno, "<json>", f"invalid JSON: {exc.msg} (column {exc.colno})"
-            ) from None
-        yield line, entry
+            error = TraceError(path, exc.lineno, "<json>", _json_problem(exc))
+            raise syntax_error(pos, line, exc.pos, error) from None
+        except (ValueError, RecursionError) as exc:
+            raise TraceError(path, line, "<json>", _json_problem(exc)) from None
+        yield line, entry, bad_byte(pos, line, end)
         after = skip_ws(end)
         line = advance(line, pos, after)
         if after < len(text) and text[after] == "]":
             return
         if after >= len(text) or text[after] != ",":
-            raise TraceError(path, line, "<json>", "expected ',' or ']' after a conversation")
+            error = TraceError(path, line, "<json>", "expected ',' or ']' after a conversation")
+            raise syntax_error(after, line, after, error)
         pos = skip_ws(after + 1)
         line = advance(line, after, pos)
 
