@@ -2,12 +2,14 @@
 
 This is the body of both ``kvbench run`` and every job of ``kvbench sweep``. A run
 that fails is recorded as failed (with its error) instead of raising, so that a sweep
-goes on; the caller learns the outcome from the returned ``RunOutcome``.
+goes on; the caller learns the outcome from the returned ``RunOutcome``. A run in which
+no request completed measured nothing and is recorded as failed too, with its frames.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import re
 import traceback
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -43,6 +46,7 @@ class RunOutcome:
     summary: dict[str, Any]
     error: str = ""
     config_error: bool = False  # the failure is a bad configuration, not a crash
+    recorded: bool = True  # False: not even the failed run record could be written
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -172,18 +176,71 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
         summary, raw, memory = _measure(cfg, meta)
     except ConfigError as exc:
         meta.update(status="failed", error=f"ConfigError: {exc}")
-        results.write_failed_run(run_dir, meta, meta["error"], config_yaml)
-        return RunOutcome(run_dir, "failed", {}, str(exc), config_error=True)
+        return _record_failure(
+            run_dir, meta, config_yaml, RunOutcome(run_dir, "failed", {}, str(exc), config_error=True)
+        )
     except Exception as exc:  # noqa: BLE001 - a failed run is data, the sweep goes on
         error = f"{type(exc).__name__}: {exc}"
         meta.update(status="failed", error=error, traceback=traceback.format_exc())
-        results.write_failed_run(run_dir, meta, error, config_yaml)
-        return RunOutcome(run_dir, "failed", {}, error)
-    meta.update(status="ok", error="")
-    results.write_run(
-        run_dir, raw.requests, raw.steps, memory, meta, config_yaml, summary, missing=meta["missing"]
-    )
-    return RunOutcome(run_dir, "ok", summary)
+        return _record_failure(run_dir, meta, config_yaml, RunOutcome(run_dir, "failed", {}, error))
+    error = nothing_completed_error(raw.requests, summary)
+    meta.update(status="failed" if error else "ok", error=error)
+    try:
+        results.write_run(
+            run_dir, raw.requests, raw.steps, memory, meta, config_yaml, summary, missing=meta["missing"]
+        )
+    except results.ResultsWriteError as exc:
+        meta.update(status="failed", error=f"results not written: {exc}")
+        return _record_failure(
+            run_dir, meta, config_yaml, RunOutcome(run_dir, "failed", summary, meta["error"])
+        )
+    return RunOutcome(run_dir, "failed" if error else "ok", summary, error)
+
+
+def _record_failure(run_dir: Path, meta: dict[str, Any], config_yaml: str, outcome: RunOutcome) -> RunOutcome:
+    """Write the failed run record of ``outcome``; when even that cannot be written (a full
+    disk, a path that is not a directory), the outcome says so and carries both errors."""
+    try:
+        results.write_failed_run(run_dir, meta, meta["error"], config_yaml)
+    except results.ResultsWriteError as exc:
+        error = f"{outcome.error}\n  and the failure could not be recorded: {exc}"
+        return dataclasses.replace(outcome, error=error, recorded=False)
+    return outcome
+
+
+# Distinct rejection reasons named in a nothing-completed error; more are counted.
+_MAX_REASONS_SHOWN = 3
+_MAX_REASON_CHARS = 160
+
+
+def nothing_completed_error(requests: pd.DataFrame, summary: dict[str, Any]) -> str:
+    """Why a run in which no request completed is a failure; "" when any request completed.
+
+    E.g. "0 of 8 requests completed; rejected: 8 x 'engine h2o: ...'". ``summary`` is the
+    run's metrics (num_requests, num_completed, num_unfinished as kvbench.metrics defines them).
+    """
+    if summary["num_completed"] > 0:
+        return ""
+    if summary["num_requests"] == 0:
+        return "the workload has no requests: nothing was measured"
+    reasons = requests["rejected_reason"].fillna("").astype(str)
+    counts = reasons[reasons != ""].value_counts()
+    parts = [f"{summary['num_completed']:.0f} of {summary['num_requests']:.0f} requests completed"]
+    if len(counts):
+        shown = [
+            f"{count} x {_shorten(reason)!r}" for reason, count in counts.iloc[:_MAX_REASONS_SHOWN].items()
+        ]
+        if len(counts) > _MAX_REASONS_SHOWN:
+            others = int(counts.iloc[_MAX_REASONS_SHOWN:].sum())
+            shown.append(f"{others} x {len(counts) - _MAX_REASONS_SHOWN} other reason(s)")
+        parts.append("rejected: " + ", ".join(shown))
+    if summary["num_unfinished"] > 0:
+        parts.append(f"unfinished when the run ended: {summary['num_unfinished']:.0f}")
+    return "; ".join(parts)
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
 
 
 def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], RawRun, Any]:

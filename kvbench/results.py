@@ -7,11 +7,28 @@ Layout of ``results/<sweep>/<run>/``::
     memory.parquet     memory samples (may have no rows)
     config.yaml        the resolved config the run was made from
     run.json           {"meta": ..., "summary": ..., "missing": ...}; written last
+    .kvbench-run       marker: kvbench wrote this directory (see below)
 
 A run directory is built under a hidden temporary name next to its final place and moved
 there with ``os.replace``: after a crash either the whole run exists or none of it does.
 ``run.json`` is the completion marker; ``status`` in its meta is "ok" or "failed".
 NaN summary values are stored as JSON ``null`` with the reason in ``missing``.
+
+kvbench deletes or replaces only what it wrote. ``run_id`` and ``sweep_name`` are single
+path components (``check_path_component``). An existing directory at a run's path is
+replaced only when it is a kvbench run directory (``check_replaceable_run_dir``): it
+holds the ``.kvbench-run`` marker, or (runs written before the marker existed) its
+run.json is a kvbench record naming this directory as its ``run_id``; in both cases it
+holds nothing but the files listed above. Anything else is refused and left untouched.
+A rerun swaps the new directory in with one atomic ``renameat2(RENAME_EXCHANGE)`` on
+Linux; where that is unavailable the old run is first renamed to a hidden
+``.<run>.old-XXXXXXXX`` sibling, and a process killed before the new one takes its place
+leaves that sibling, which ``find_runs``, ``load`` and ``is_complete`` read as the run.
+The sweep tables (``runs.parquet``, ``runs.csv``) are replaced only in a directory
+carrying the ``.kvbench-sweep`` marker, or when the existing file is a kvbench sweep
+table (its columns begin with ``run_id`` and include ``run_dir`` and ``status``).
+Filesystem failures while writing raise ``ResultsWriteError`` naming the path; the
+partial temporary directory is removed.
 
 ``load(path)`` accepts one run directory or a sweep directory (any depth; hidden
 directories are skipped) and concatenates runs with a ``run_id`` column.
@@ -19,20 +36,45 @@ directories are skipped) and concatenates runs with a ``run_id`` column.
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import ctypes
+import errno
+import functools
 import json
 import math
 import os
+import re
 import shutil
+import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 RUN_FILE = "run.json"
 FRAME_NAMES: tuple[str, ...] = ("requests", "steps", "memory")
+RUN_MARKER = ".kvbench-run"
+RUN_MARKER_TEXT = (
+    "kvbench run directory, written by kvbench (kvbench.results.write_run).\n"
+    "kvbench replaces this directory when the run is repeated; it never replaces or deletes\n"
+    "a directory that lacks this file or holds files kvbench did not write.\n"
+)
+# Every name kvbench writes into a run directory; a directory holding anything else is not replaced.
+RUN_DIR_FILES: frozenset[str] = frozenset(
+    {RUN_FILE, "config.yaml", RUN_MARKER, *(f"{name}.parquet" for name in FRAME_NAMES)}
+)
+SWEEP_MARKER = ".kvbench-sweep"
+SWEEP_MARKER_TEXT = (
+    "kvbench sweep directory. runs.parquet and runs.csv here are kvbench's combined sweep tables,\n"
+    "rewritten at the end of every sweep; kvbench never replaces such files without this marker.\n"
+)
+SWEEP_TABLES: tuple[str, ...] = ("runs.parquet", "runs.csv")
 # meta entries that are dicts, flattened into "<prefix>.<key>" columns of the runs frame.
 FLATTENED_META: dict[str, str] = {
     "engine_params": "engine",
@@ -53,6 +95,11 @@ CONFIG_PREFIXES: tuple[str, ...] = ("engine.", "model.", "hardware.", "slo.", "r
 
 class ResultsError(ValueError):
     """A results directory that cannot be read; the message names the file."""
+
+
+class ResultsWriteError(ResultsError):
+    """Results that cannot be written where asked: a name that is not one path component, a
+    directory kvbench did not write, or a filesystem error. The message names the key or path."""
 
 
 @dataclass(frozen=True)
@@ -126,26 +173,229 @@ def _write_atomically(
         record_text = json.dumps(record, indent=2, sort_keys=True, allow_nan=False, default=_json_default)
     except (TypeError, ValueError) as exc:
         raise ResultsError(f"{run_dir / RUN_FILE}: meta/summary is not JSON-serialisable: {exc}") from exc
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir.parent / f".{run_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    prepare_run_dir(run_dir)
+    tmp = _sibling(run_dir, "tmp")
+    with _writing(run_dir):
+        tmp.mkdir()
     try:
         for name, frame in frames.items():
-            _parquet_safe(frame).to_parquet(tmp / f"{name}.parquet", index=False)
-        (tmp / "config.yaml").write_text(config_yaml)
-        _write_synced(tmp / RUN_FILE, record_text)  # last: the completion marker
-        if run_dir.exists():
-            # os.replace cannot overwrite a non-empty directory: move the old one aside first.
-            old = run_dir.parent / f".{run_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(run_dir, old)
-            os.replace(tmp, run_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, run_dir)
-    except BaseException:
+            with _writing(run_dir / f"{name}.parquet"):
+                _parquet_safe(frame).to_parquet(tmp / f"{name}.parquet", index=False)
+        with _writing(run_dir / "config.yaml"):
+            (tmp / "config.yaml").write_text(config_yaml)
+        with _writing(run_dir / RUN_MARKER):
+            (tmp / RUN_MARKER).write_text(RUN_MARKER_TEXT)
+        with _writing(run_dir / RUN_FILE):
+            _write_synced(tmp / RUN_FILE, record_text)  # last: the completion marker
+        with _writing(run_dir):
+            _install(tmp, run_dir)
+    finally:
+        # The partial run on failure; after an exchange, the replaced run.
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return run_dir
+
+
+def _install(tmp: Path, run_dir: Path) -> None:
+    """Move the finished ``tmp`` to ``run_dir``; a replaced run ends up at ``tmp``.
+
+    A process killed at any point leaves the old or the new run loadable: the exchange is
+    one atomic rename; without it the old run waits under a hidden ``.old-`` name that
+    readers fall back to (``_orphaned_run``) until the new one is in place.
+    """
+    if not os.path.lexists(run_dir):
+        os.replace(tmp, run_dir)
+        return
+    if _exchange(tmp, run_dir):
+        return
+    # os.replace cannot overwrite a non-empty directory: move the old one aside first.
+    old = _sibling(run_dir, "old")
+    os.replace(run_dir, old)
+    try:
+        os.replace(tmp, run_dir)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.replace(old, run_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """glibc's renameat2, or None off Linux or on a C library without it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (renameat2 RENAME_EXCHANGE).
+
+    False when the platform, kernel or filesystem cannot; other failures raise OSError.
+    """
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _sibling(run_dir: Path, kind: str) -> Path:
+    """A fresh hidden sibling of ``run_dir``: ``.<name>.<kind>-XXXXXXXX`` (find_runs skips it)."""
+    return run_dir.parent / f".{run_dir.name}.{kind}-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Turn a filesystem failure while writing ``path`` into a ResultsWriteError naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise ResultsWriteError(f"{path}: cannot write: {_os_reason(exc, path)}") from exc
+
+
+def _os_reason(exc: OSError, path: Path) -> str:
+    """The error's text, naming the file that is in the way of a directory if there is one."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, (NotADirectoryError, FileExistsError)):
+        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+        if blocker is not None and not blocker.is_dir():
+            reason += f" ({blocker} is a file, not a directory)"
+    return reason
+
+
+def check_path_component(value: object, key: str) -> str:
+    """``value`` as a single directory name, or ResultsWriteError naming ``key``.
+
+    Refused: empty, ``.``, ``..``, a path separator (``/`` or ``\\``), NUL, and hidden names
+    (a leading ``.``: kvbench's temporaries are hidden and ``load`` skips hidden directories).
+    """
+    text = "" if value is None else str(value)
+    if text == "":
+        problem = "is empty"
+    elif text == ".":
+        problem = "means the enclosing directory itself"
+    elif text == "..":
+        problem = "means the parent directory"
+    elif "/" in text or "\\" in text:
+        problem = "contains a path separator"
+    elif "\0" in text:
+        problem = "contains a NUL character"
+    elif text.startswith("."):
+        problem = "starts with '.' (hidden names are kvbench's temporaries and load() skips them)"
+    else:
+        return text
+    raise ResultsWriteError(f"{key}: {text!r} {problem}; it must be a single name (no '/', not '.' or '..')")
+
+
+def prepare_run_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """Check, before anything is measured, that a run can be written at ``run_dir``.
+
+    Creates the parent directories and proves them writable, restores a run left under a
+    hidden ``.old-`` name by a killed writer, and refuses an existing directory kvbench did
+    not write (``check_replaceable_run_dir``). Raises
+    ResultsWriteError naming the path; moves or deletes nothing of the user's.
+    """
+    run_dir = Path(run_dir)
+    ensure_writable_dir(run_dir.parent)
+    orphan = _orphaned_run(run_dir)
+    if orphan is not None:
+        check_replaceable_run_dir(orphan, run_id=run_dir.name)
+        with _writing(run_dir):
+            os.replace(orphan, run_dir)
+    check_replaceable_run_dir(run_dir)
+    return run_dir
+
+
+def ensure_writable_dir(path: str | os.PathLike[str]) -> Path:
+    """Create directory ``path`` (and parents) and prove that entries can be created in it.
+
+    Raises ResultsWriteError naming the path (a file in the way, permission denied, a
+    read-only or full filesystem); leaves nothing behind.
+    """
+    path = Path(path)
+    with _writing(path):
+        path.mkdir(parents=True, exist_ok=True)
+        # mkdir(exist_ok=True) succeeds on an existing read-only directory: probe it.
+        probe = path / f".kvbench-probe-{uuid.uuid4().hex[:8]}"
+        probe.mkdir()
+        probe.rmdir()
+    return path
+
+
+def check_replaceable_run_dir(run_dir: str | os.PathLike[str], run_id: str | None = None) -> None:
+    """Raise ResultsWriteError unless ``run_dir`` is absent or a run directory kvbench wrote.
+
+    kvbench's own: a directory holding only kvbench's files (``RUN_DIR_FILES``), with the
+    ``.kvbench-run`` marker, or, for runs written before the marker existed, a run.json
+    whose meta is a kvbench record (status ok/failed) of run ``run_id`` (default: the
+    directory's name). Reads only.
+    """
+    run_dir = Path(run_dir)
+    if not os.path.lexists(run_dir):
+        return
+    refusal = f"{run_dir}: exists and is not a kvbench run directory, so it is left untouched"
+    if run_dir.is_symlink() or not run_dir.is_dir():
+        kind = "a symbolic link" if run_dir.is_symlink() else "not a directory"
+        raise ResultsWriteError(f"{refusal} (it is {kind}); choose another run id or move it away")
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError as exc:
+        raise ResultsWriteError(f"{run_dir}: cannot read: {_os_reason(exc, run_dir)}") from exc
+    foreign = sorted(
+        p.name for p in entries if p.name not in RUN_DIR_FILES or p.is_symlink() or not p.is_file()
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ResultsWriteError(
+            f"{refusal} (it holds {shown}, which kvbench did not write); choose another run id or move it away"
+        )
+    if (run_dir / RUN_MARKER).is_file() or _is_unmarked_run(run_dir, run_id or run_dir.name):
+        return
+    raise ResultsWriteError(
+        f"{refusal} (no {RUN_MARKER} marker and no kvbench run.json of run {run_id or run_dir.name!r}); "
+        "choose another run id or move it away"
+    )
+
+
+def _is_unmarked_run(run_dir: Path, run_id: str) -> bool:
+    """A run written before the marker existed: its run.json is a kvbench record of ``run_id``."""
+    try:
+        record = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    meta = record.get("meta") if isinstance(record, dict) else None
+    return isinstance(meta, dict) and meta.get("run_id") == run_id and meta.get("status") in ("ok", "failed")
+
+
+def _orphaned_run(run_dir: Path) -> Path | None:
+    """The run a writer killed mid-replace left at ``.<name>.old-XXXXXXXX`` while ``run_dir`` is missing.
+
+    None when ``run_dir`` exists or no such sibling holds a run.json; the newest one otherwise.
+    """
+    if os.path.lexists(run_dir):
+        return None
+    pattern = re.compile(rf"\.{re.escape(run_dir.name)}\.old-[0-9a-f]{{8}}")
+    try:
+        found = [
+            p for p in run_dir.parent.iterdir() if pattern.fullmatch(p.name) and (p / RUN_FILE).is_file()
+        ]
+    except OSError:
+        return None
+    return max(found, key=lambda p: (p / RUN_FILE).stat().st_mtime_ns) if found else None
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -184,9 +434,11 @@ def _parquet_safe(frame: pd.DataFrame) -> pd.DataFrame:
 def is_complete(run_dir: str | os.PathLike[str], config_hash: str) -> bool:
     """True when ``run_dir`` holds a finished "ok" run made from ``config_hash`` (resume).
 
-    Failed, partial, unreadable or differently-configured runs are not complete. Reads only.
+    Failed, partial, unreadable or differently-configured runs are not complete. A run left
+    under a hidden ``.old-`` name by a writer killed mid-replace counts. Reads only.
     """
     run_dir = Path(run_dir)
+    run_dir = _orphaned_run(run_dir) or run_dir
     try:
         record = json.loads((run_dir / RUN_FILE).read_text())
     except (OSError, ValueError):
@@ -199,33 +451,83 @@ def is_complete(run_dir: str | os.PathLike[str], config_hash: str) -> bool:
 def write_sweep_table(sweep_dir: str | os.PathLike[str]) -> Path:
     """Write the combined ``runs.parquet`` and ``runs.csv`` of every run under ``sweep_dir``.
 
-    Each file is written to a temporary name and renamed. Returns the parquet path;
-    raises ResultsError when no run is found.
+    Each file is written to a temporary name and renamed. An existing table is replaced only
+    when ``sweep_dir`` carries the ``.kvbench-sweep`` marker or the file is a kvbench sweep
+    table (``is_sweep_table``); the marker is written with the tables. Returns the parquet
+    path; raises ResultsError when no run is found, ResultsWriteError naming the path when a
+    file may not or cannot be written.
     """
     sweep_dir = Path(sweep_dir)
     runs = load(sweep_dir).runs
+    marker = sweep_dir / SWEEP_MARKER
+    if not marker.is_file():
+        for path in (sweep_dir / name for name in SWEEP_TABLES):
+            if os.path.lexists(path) and not is_sweep_table(path):
+                raise ResultsWriteError(
+                    f"{path}: exists and is not a kvbench sweep table (no {SWEEP_MARKER} marker in "
+                    f"{sweep_dir}), so it is left untouched; move it away or use another run.sweep_name"
+                )
+        with _writing(marker):
+            marker.write_text(SWEEP_MARKER_TEXT)
     target = sweep_dir / "runs.parquet"
-    for path, writer in (
-        (target, lambda p: _parquet_safe(runs).to_parquet(p, index=False)),
-        (sweep_dir / "runs.csv", lambda p: runs.to_csv(p, index=False)),
-    ):
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        writer(tmp)
-        os.replace(tmp, path)
+    replace_file(target, lambda p: _parquet_safe(runs).to_parquet(p, index=False))
+    replace_file(sweep_dir / "runs.csv", lambda p: runs.to_csv(p, index=False))
     return target
+
+
+def replace_file(path: str | os.PathLike[str], write: Callable[[Path], object]) -> Path:
+    """Write a file atomically: ``write(tmp)`` to a hidden sibling, then rename it to ``path``.
+
+    The caller decides whether an existing ``path`` may be replaced. Raises
+    ResultsWriteError naming ``path`` on a filesystem failure, with the temporary removed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with _writing(path):
+            write(tmp)
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return path
+
+
+def is_sweep_table(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a runs.parquet / runs.csv written by ``write_sweep_table``
+    (columns begin with ``run_id`` and include ``run_dir`` and ``status``). Reads only."""
+    path = Path(path)
+    try:
+        if path.suffix == ".parquet":
+            names = list(pq.read_schema(path).names)
+        else:
+            with open(path, newline="") as f:
+                names = next(csv.reader(f), [])
+    except (OSError, ValueError, csv.Error, pa.ArrowException):
+        return False
+    return path.is_file() and bool(names) and names[0] == "run_id" and {"run_dir", "status"} <= set(names)
 
 
 # --------------------------------------------------------------------------- reading
 def find_runs(path: str | os.PathLike[str]) -> list[Path]:
-    """Run directories at or under ``path`` (those with a run.json), sorted; hidden ones skipped."""
+    """Run directories at or under ``path`` (those with a run.json), sorted; hidden ones skipped,
+    except a run left under ``.<name>.old-XXXXXXXX`` by a writer killed mid-replace while
+    ``<name>`` is missing."""
     path = Path(path)
+    path = _orphaned_run(path) or path
     if (path / RUN_FILE).is_file():
         return [path]
     found = []
     for marker in path.rglob(RUN_FILE):
-        relative = marker.parent.relative_to(path)
-        if not any(part.startswith(".") for part in relative.parts):
-            found.append(marker.parent)
+        run_dir = marker.parent
+        parts = run_dir.relative_to(path).parts
+        if not any(part.startswith(".") for part in parts):
+            found.append(run_dir)
+        elif parts and not any(part.startswith(".") for part in parts[:-1]):
+            # A run a killed writer left under ``.<name>.old-…`` while <name> is missing.
+            match = re.fullmatch(r"\.(.+)\.old-[0-9a-f]{8}", parts[-1])
+            if match and _orphaned_run(run_dir.parent / match.group(1)) == run_dir:
+                found.append(run_dir)
     return sorted(found)
 
 

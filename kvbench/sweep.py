@@ -7,12 +7,15 @@ re-raises a failed multirun job after the others and then skips ``on_multirun_en
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -24,31 +27,73 @@ from kvbench.execute import RunOutcome, config_hash, execute, run_id_for
 def run_job(cfg: DictConfig) -> RunOutcome:
     """Validate, resolve the run directory, skip if already complete, else execute.
 
-    Raises ConfigError only for a single run (``kvbench run``); inside a multirun a bad
-    configuration is recorded as a failed run so the other jobs go on.
+    Raises ConfigError only for a single run (``kvbench run``), also for results that
+    cannot be written where asked (``run.run_id`` / ``run.sweep_name`` not one directory
+    name, a directory kvbench did not write in the way, a filesystem error), checked before
+    anything runs. Inside a multirun a bad configuration is recorded as a failed run so the
+    other jobs go on.
     """
     multirun = _is_multirun()
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     try:
         cfg = validate_config(cfg)
+        digest = config_hash(cfg)
+        run_dir = _run_dir(cfg, overrides, digest)
     except ConfigError as exc:
         if not multirun:
             raise
         return _record_config_failure(cfg, overrides, exc)
-    digest = config_hash(cfg)
-    run_id = cfg.run.run_id or run_id_for(overrides, digest)
-    run_dir = Path(cfg.run.results_dir) / cfg.run.sweep_name / run_id
     if cfg.run.resume and results.is_complete(run_dir, digest):
         print(f"kvbench: {run_dir} already complete with the same config; skipped (run.resume=false reruns)")
         return RunOutcome(run_dir, "skipped", {})
+    try:
+        results.prepare_run_dir(run_dir)
+    except results.ResultsWriteError as exc:
+        if not multirun:
+            # A directory in the way is the run id's problem; anything else, the results dir's.
+            key = "run.run_id" if os.path.lexists(run_dir) else "run.results_dir"
+            raise ConfigError(f"{key}: {exc}") from None
+        print(f"kvbench: run FAILED: {exc}", file=sys.stderr)
+        return _unrecorded(RunOutcome(run_dir, "failed", {}, str(exc), recorded=False))
     outcome = execute(cfg, run_dir, digest)
     _print_outcome(outcome)
+    return outcome if outcome.recorded else _unrecorded(outcome)
+
+
+def _run_dir(cfg: DictConfig, overrides: list[str], digest: str) -> Path:
+    """``results_dir/sweep_name/run_id``; ConfigError naming the key unless both names are
+    single directory names."""
+    try:
+        sweep_name = results.check_path_component(cfg.run.sweep_name, "run.sweep_name")
+        # Only null derives the id: an empty run.run_id is a mistake, not a request for one.
+        run_id = cfg.run.run_id if cfg.run.run_id is not None else run_id_for(overrides, digest)
+        run_id = results.check_path_component(run_id, "run.run_id")
+    except results.ResultsWriteError as exc:
+        raise ConfigError(str(exc)) from None
+    return Path(cfg.run.results_dir) / sweep_name / run_id
+
+
+# Failed jobs of this process whose failure could not be written as a run record; the
+# finalizer counts them with the failed run records (jobs of remote launchers print their
+# own error and are not counted here).
+_UNRECORDED_FAILURES: list[RunOutcome] = []
+
+
+def _unrecorded(outcome: RunOutcome) -> RunOutcome:
+    """Remember a failed multirun job that left no run record (its error is already printed)."""
+    if _is_multirun():
+        _UNRECORDED_FAILURES.append(outcome)
     return outcome
 
 
 def _record_config_failure(cfg: DictConfig, overrides: list[str], exc: ConfigError) -> RunOutcome:
-    sweep_name = str(cfg.get("run", {}).get("sweep_name", "single"))
-    results_dir = str(cfg.get("run", {}).get("results_dir", "results"))
+    run_options = cfg.get("run", {})
+    results_dir = str(run_options.get("results_dir", "results"))
+    try:
+        sweep_name = results.check_path_component(run_options.get("sweep_name", "single"), "run.sweep_name")
+    except results.ResultsWriteError as name_error:
+        print(f"kvbench: invalid configuration for job {overrides}: {exc}; {name_error}", file=sys.stderr)
+        return _unrecorded(RunOutcome(Path(results_dir), "failed", {}, str(exc), recorded=False))
     run_dir = Path(results_dir) / sweep_name / run_id_for(overrides, "invalid")
     meta: dict[str, Any] = {
         "run_id": run_dir.name,
@@ -56,8 +101,12 @@ def _record_config_failure(cfg: DictConfig, overrides: list[str], exc: ConfigErr
         "status": "failed",
         "error": str(exc),
     }
-    results.write_failed_run(run_dir, meta, f"ConfigError: {exc}")
     print(f"kvbench: invalid configuration for job {overrides}: {exc}", file=sys.stderr)
+    try:
+        results.write_failed_run(run_dir, meta, f"ConfigError: {exc}")
+    except results.ResultsWriteError as write_error:
+        print(f"kvbench: the failure could not be recorded: {write_error}", file=sys.stderr)
+        return _unrecorded(RunOutcome(run_dir, "failed", {}, str(exc), recorded=False))
     return RunOutcome(run_dir, "failed", {}, str(exc))
 
 
@@ -85,30 +134,69 @@ def _print_outcome(outcome: RunOutcome) -> None:
 
 
 class SweepFinalizer(Callback):
-    """At the end of a multirun: combined table, report, and exit status = failed runs."""
+    """Before a multirun: refuse names and results directories that cannot hold it. At the
+    end: combined table, report, and exit status = failed runs."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Check run.sweep_name and every run.sweep_name / run.run_id the sweep will take,
+        and that the sweep directory can be written, before Hydra creates
+        ``<results_dir>/<sweep_name>/.hydra``: a bad name or path stops the sweep with one
+        screen and exit status 2, with nothing created outside ``run.results_dir``."""
+        _UNRECORDED_FAILURES.clear()
+        try:
+            for key, value in _names_to_check(config):
+                results.check_path_component(value, key)
+            results.ensure_writable_dir(_sweep_dir(config))
+        except results.ResultsWriteError as exc:
+            print(f"kvbench: cannot run the sweep\n  {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.run.results_dir) / config.run.sweep_name
-        if not sweep_dir.exists():
-            return
-        table = results.write_sweep_table(sweep_dir)
-        print_sweep_summary(sweep_dir)
-        print(f"kvbench: sweep table {table}")
-        num_failed = 0
-        for run_json in sweep_dir.glob("*/run.json"):
-            if json.loads(run_json.read_text())["meta"].get("status") == "failed":
-                num_failed += 1
-        if config.run.report:
-            from kvbench.report import build_report
-
+        sweep_dir = _sweep_dir(config)
+        num_failed = len(_UNRECORDED_FAILURES)
+        if any(results.find_runs(sweep_dir)):
             try:
-                print(f"kvbench: report {build_report(sweep_dir)}")
-            except Exception as exc:  # noqa: BLE001 - a report problem must not hide results
-                print(f"kvbench: report failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                table = results.write_sweep_table(sweep_dir)
+            except results.ResultsError as exc:
+                print(f"kvbench: sweep table not written: {exc}", file=sys.stderr)
                 num_failed += 1
+            else:
+                print_sweep_summary(sweep_dir)
+                print(f"kvbench: sweep table {table}")
+            for run_dir in results.find_runs(sweep_dir):
+                with contextlib.suppress(results.ResultsError):  # already counted: no table
+                    num_failed += results.read_record(run_dir)["meta"].get("status") == "failed"
+            if config.run.report:
+                from kvbench.report import build_report
+
+                try:
+                    print(f"kvbench: report {build_report(sweep_dir)}")
+                except Exception as exc:  # noqa: BLE001 - a report problem must not hide results
+                    print(f"kvbench: report failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    num_failed += 1
         if num_failed:
             print(f"kvbench: {num_failed} run(s) failed in {sweep_dir}", file=sys.stderr)
             raise SystemExit(min(num_failed, 125))
+
+
+def _sweep_dir(config: DictConfig) -> Path:
+    return Path(str(config.run.results_dir)) / str(config.run.sweep_name)
+
+
+def _names_to_check(config: DictConfig) -> list[tuple[str, object]]:
+    """run.sweep_name, plus every value a sweep override gives run.sweep_name or run.run_id."""
+    names: list[tuple[str, object]] = [("run.sweep_name", config.run.sweep_name)]
+    if config.run.run_id is not None:
+        names.append(("run.run_id", config.run.run_id))
+    task = [str(o) for o in config.hydra.overrides.task]
+    for override in OverridesParser.create().parse_overrides(task):
+        key = override.key_or_group
+        if key in ("run.sweep_name", "run.run_id") and override.is_sweep_override():
+            try:
+                names += [(key, value) for value in override.sweep_string_iterator()]
+            except HydraException:
+                continue  # glob() sweeps need a config loader; each job checks its own names
+    return names
 
 
 # What a sweep prints side by side at the end (the full table is in runs.parquet/csv).

@@ -25,6 +25,7 @@ def write_exact(run_dir, **meta_overrides):
 def test_round_trip_keeps_frames_and_lists(tmp_path):
     run_dir, (requests, steps, memory, meta, summary) = write_exact(tmp_path / "sweep" / "run0")
     assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".kvbench-run",
         "config.yaml",
         "memory.parquet",
         "requests.parquet",
@@ -76,7 +77,7 @@ def test_crash_mid_write_leaves_no_run_dir(tmp_path, monkeypatch):
 
     original = pd.DataFrame.to_parquet
     monkeypatch.setattr(pd.DataFrame, "to_parquet", crash_on_second)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(results.ResultsWriteError, match=r"run0/steps.parquet: cannot write: disk full"):
         results.write_run(tmp_path / "run0", requests, steps, memory, meta, "", {})
     assert list(tmp_path.iterdir()) == []  # neither the run dir nor its temporary sibling
 
@@ -90,7 +91,7 @@ def test_failed_rewrite_keeps_the_previous_run(tmp_path, monkeypatch):
         raise OSError("killed")
 
     monkeypatch.setattr(results, "_write_synced", killed)
-    with pytest.raises(OSError, match="killed"):
+    with pytest.raises(results.ResultsWriteError, match="run0/run.json: cannot write: killed"):
         results.write_run(run_dir, requests, steps, memory, meta, "", {})
     assert (run_dir / "run.json").read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["run0"]

@@ -179,3 +179,40 @@ def test_calibrate_command_fails_clearly_without_real_runs(tmp_path, capsys):
     assert not (tmp_path / "x.yaml").exists()
     assert main([str(tmp_path / "missing")]) == 2
     assert "no kvbench runs found" in capsys.readouterr().err
+
+
+def test_calibrate_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
+    _write_run(tmp_path / "sweep", "a", synthetic_steps(TRUTH, 3, num_steps=150))
+    sweep = str(tmp_path / "sweep")
+    out = tmp_path / "profile.yaml"
+    out.write_text("name: my-hand-tuned-gpu\n")
+    for flags in ([], ["--force"]):
+        assert main([sweep, "--out", str(out), *flags]) == 2
+        assert out.read_text() == "name: my-hand-tuned-gpu\n"
+    err = capsys.readouterr().err
+    assert f"{out} exists" in err and "was not written by kvbench calibrate" in err
+    # A profile calibrate wrote is replaced with --force (and only with it).
+    own = tmp_path / "own.yaml"
+    assert main([sweep, "--out", str(own)]) == 0
+    first = own.read_text()
+    assert main([sweep, "--out", str(own)]) == 2
+    assert main([sweep, "--out", str(own), "--force", "--name", "again"]) == 0
+    assert own.read_text() != first and "name: again" in own.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["own.yaml", "profile.yaml", "sweep"]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../../evil", "a/b"])
+def test_calibrate_profile_names_stay_in_conf_hardware(name, tmp_path, capsys):
+    assert main([str(tmp_path), "--name", name]) == 2
+    assert "--name: " in capsys.readouterr().err
+
+
+def test_calibrate_output_errors_name_the_path(tmp_path, capsys):
+    _write_run(tmp_path / "sweep", "a", synthetic_steps(TRUTH, 3, num_steps=150))
+    (tmp_path / "afile").write_text("mine\n")
+    assert main([str(tmp_path / "sweep"), "--out", str(tmp_path / "afile" / "x.yaml")]) == 2
+    assert f"{tmp_path}/afile is a file, not a directory" in capsys.readouterr().err
+    (tmp_path / "adir.yaml").mkdir()
+    assert main([str(tmp_path / "sweep"), "--out", str(tmp_path / "adir.yaml"), "--force"]) == 2
+    assert "adir.yaml: exists and is not a regular file" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "mine\n" and list((tmp_path / "adir.yaml").iterdir()) == []

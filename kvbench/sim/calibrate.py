@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import itertools
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 MIN_DURATION_S = 1e-6
 # Rounds of reweighting by the modeled time after the first fit (it converges in a few).
 REWEIGHT_ITERATIONS = 10
+# First line of every profile calibrate writes: --force replaces only files that start so.
+HEADER = "# Fitted by `kvbench calibrate"
 
 
 class CalibrationError(ValueError):
@@ -401,7 +404,7 @@ def to_yaml(result: CalibrationFit, source: str) -> str:
     """The fitted profile as a ``conf/hardware/*.yaml`` file with a provenance header."""
     hw = result.hardware
     lines = [
-        f"# Fitted by `kvbench calibrate {source}` on {result.num_steps:,} real-mode steps",
+        f"{HEADER} {source}` on {result.num_steps:,} real-mode steps",
         f"# ({result.num_memory_bound:,} memory-bound, {result.num_compute_bound:,} compute-bound); "
         f"mean |relative error| {result.mean_abs_rel_error:.1%}.",
         *(f"# note: {note}" for note in result.notes),
@@ -418,6 +421,30 @@ def default_output(name: str) -> Path:
     return Path(str(resources.files("kvbench.conf").joinpath("hardware"))) / f"{name}.yaml"
 
 
+def check_output(out: Path, force: bool) -> None:
+    """Raise CalibrationError unless ``out`` may be written: absent, or (with ``force``) a
+    profile an earlier ``kvbench calibrate`` wrote (its first line is ``HEADER``). Shipped
+    profiles and any other file are never replaced. Reads only."""
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink() or not out.is_file():
+        raise CalibrationError(f"{out}: exists and is not a regular file; pick another --name or --out")
+    if not force:
+        raise CalibrationError(
+            f"{out} exists (a shipped or earlier profile); pick another --name or pass --force"
+        )
+    try:
+        with open(out, encoding="utf-8", errors="replace") as f:
+            first_line = f.readline()
+    except OSError as exc:
+        raise CalibrationError(f"{out}: cannot read: {exc.strerror or exc}") from exc
+    if not first_line.startswith(HEADER):
+        raise CalibrationError(
+            f"{out}: exists and was not written by kvbench calibrate (its first line is not "
+            f"'{HEADER} ...'), so --force does not replace it; pick another --name or --out"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``kvbench calibrate RESULTS_DIR [--name NAME] [--out FILE]``; returns the exit code."""
     parser = argparse.ArgumentParser(
@@ -430,26 +457,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="output YAML (default: conf/hardware/NAME.yaml in kvbench.conf)"
     )
-    parser.add_argument("--force", action="store_true", help="overwrite an existing profile file")
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite a profile an earlier kvbench calibrate wrote"
+    )
     args = parser.parse_args(argv)
-    from kvbench.results import ResultsError, load
-
-    out = Path(args.out) if args.out else default_output(args.name)
-    if out.exists() and not args.force:
-        print(
-            f"kvbench calibrate: {out} exists (a shipped or earlier profile); pick another --name or pass --force",
-            file=sys.stderr,
-        )
-        return 2
+    from kvbench.results import ResultsError, check_path_component, ensure_writable_dir, load, replace_file
 
     try:
+        out = Path(args.out) if args.out else default_output(check_path_component(args.name, "--name"))
+        check_output(out, args.force)
         runs, base = runs_from_results(load(args.results_dir))
         result = fit(runs, base, args.name)
+        check_output(out, args.force)  # again: the fit takes a while
+        text = to_yaml(result, args.results_dir)
+        ensure_writable_dir(out.parent)
+        replace_file(out, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     except (CalibrationError, ResultsError, SpecError) as exc:
         print(f"kvbench calibrate: {exc}", file=sys.stderr)
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(to_yaml(result, args.results_dir))
     hw = result.hardware
     print(
         f"{hw.name}: memory_efficiency {hw.memory_efficiency:.3g} of {hw.hbm_bandwidth_gbps:.4g} GB/s, "
