@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.block_pool import BlockPool
-from kvbench.engines.prefix_cache import PrefixIndex
+from kvbench.engines.prefix_cache import PrefixIndex, PrefixMatch, TokenPrefix
 from kvbench.types import KVUsage
 
 
@@ -202,11 +202,9 @@ class PagedKVManager(SeqTable):
     def can_allocate(
         self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
     ) -> bool:
-        """Whether ``allocate`` would succeed now. Mutates nothing."""
+        """Whether ``allocate`` would succeed now. Mutates nothing (but the index's match memo)."""
         self._check_new(seq_id, num_new_tokens, "can_allocate")
-        match = self.prefix_index.match(token_ids, extra_key)
-        need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
-        return need <= self.num_allocatable_blocks - match.num_blocks_taken
+        return self._fitting_match(token_ids, num_new_tokens, extra_key) is not None
 
     def allocate(
         self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
@@ -219,9 +217,10 @@ class PagedKVManager(SeqTable):
         Raises KVCapacityError when ``can_allocate`` is False.
         """
         self._check_new(seq_id, num_new_tokens, "allocate")
-        match = self.prefix_index.match(token_ids, extra_key)
-        need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
-        if need > self.num_allocatable_blocks - match.num_blocks_taken:
+        match = self._fitting_match(token_ids, num_new_tokens, extra_key)
+        if match is None:
+            match = self.prefix_index.match(token_ids, extra_key)
+            need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
             raise KVCapacityError(
                 f"allocate: seq {seq_id} needs {need} blocks, "
                 f"{self.num_allocatable_blocks - match.num_blocks_taken} allocatable"
@@ -538,6 +537,32 @@ class PagedKVManager(SeqTable):
         assert free + in_use + cached == n, f"free {free} + in use {in_use} + cached {cached} != total {n}"
 
     # ------------------------------------------------------------------ internals
+    def _fitting_match(
+        self, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
+    ) -> PrefixMatch | None:
+        """The prefix match ``allocate`` attaches: the index's match when the new slots fit
+        after it, else the match cut to its last full block, else None (nothing fits). Pure
+        apart from the index's match memo.
+
+        A match ending mid-block that another sequence wrote past is copied on the first
+        write, so it costs one block more than no match at all, and it pins the cached
+        blocks it revives: in a pool with just room for the request alone that extra block
+        may never exist. Without the partial block the request needs no more than it would
+        with no cache, so a request that fits the pool alone always gets a match that fits.
+        """
+        match = self.prefix_index.match(token_ids, extra_key)
+        if self._match_fits(match, num_new_tokens):
+            return match
+        aligned = match.num_tokens - match.num_tokens % self.block_size
+        if aligned == match.num_tokens:
+            return None
+        match = self.prefix_index.match(TokenPrefix(token_ids, aligned + 1), extra_key)
+        return match if self._match_fits(match, num_new_tokens) else None
+
+    def _match_fits(self, match: PrefixMatch, num_new_tokens: int) -> bool:
+        need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
+        return need <= self.num_allocatable_blocks - match.num_blocks_taken
+
     def _num_blocks_needed(self, num_tokens: int, block_ids: Sequence[int], num_new: int, held: bool) -> int:
         """New blocks to grow from ``num_tokens`` by ``num_new`` slots (including a CoW copy).
         ``held``: whether the caller already holds a reference on ``block_ids``."""

@@ -376,8 +376,8 @@ class RadixPrefixIndex:
     ) -> tuple[_Node, bool]:
         """Walk/extend the tree below ``node`` (which ends at ``pos``) with ``tokens``;
         returns the node ending exactly at ``pos + len(tokens)`` and whether it is new.
-        Existing nodes win (de-duplication): the sequence's own blocks are referenced only
-        for the new leaf."""
+        Existing nodes keep their place in the tree (de-duplication) but take the
+        sequence's blocks for their range (``_adopt_blocks``)."""
         pool = self._bound_pool()
         bs = self._block_size
         i = 0
@@ -397,9 +397,36 @@ class RadixPrefixIndex:
             c = _common_prefix_len(child.key, tokens[i : i + len(child.key)])
             if c < len(child.key):
                 child = self._split(child, c)
+            self._adopt_blocks(child, block_ids)
             i += c
             node = child
         return node, False
+
+    def _adopt_blocks(self, node: _Node, block_ids: Sequence[int]) -> None:
+        """Point ``node`` at the committing sequence's blocks (same tokens at the same
+        positions after the same path, so the same KV), dropping its references to the
+        blocks an earlier sequence computed.
+
+        The committing sequence locks the node it ends at. Were the node to keep the
+        other blocks, that lock would pin KV the sequence never reads: a request that
+        recomputes a cached token (a match stops before the last prompt token) would hold
+        one duplicate block per such range on top of its own, and alone in a pool sized
+        for it alone it could not grow. A node's references are soft exactly while it is
+        unlocked; the swapped ones keep that state."""
+        pool = self._bound_pool()
+        first = node.start // self._block_size
+        soft = node.lock_count == 0
+        table = node.block_ids
+        for j, old in enumerate(table):
+            new = block_ids[first + j]
+            if new == old:
+                continue
+            pool.incref(new)
+            if soft:
+                pool.soften(new)
+                pool.harden(old)
+            pool.decref(old)
+            table[j] = new
 
     def _can_extend(self, node: _Node, block_ids: Sequence[int]) -> bool:
         # A leaf the caller created and alone locks is private to it: growing it in place

@@ -329,6 +329,8 @@ class Scheduler:
             self._swap_in_groups()
         if self._num_preemptions == 0 and not self.swapped:
             self._admit_waiting(first_scheduled)
+        if not self._pieces and not self.running and self.swapped:
+            self._unblock_swapped(first_scheduled)
 
         if not self._pieces and not self.running:
             rejected.extend(self._reject_stuck_head())
@@ -513,7 +515,10 @@ class Scheduler:
     def _num_tokens_to_run(self, group: SequenceGroup, seq: Sequence, hold_last: bool) -> int:
         """Tokens of ``seq`` to compute now under the remaining budget (0: nothing now)."""
         target = len(seq.token_ids) - (1 if hold_last else 0)
-        remaining = target - seq.num_computed_tokens
+        return self._chunk_len(target - seq.num_computed_tokens)
+
+    def _chunk_len(self, remaining: int) -> int:
+        """Tokens of a ``remaining``-token prefill to compute now under the budget (0: none now)."""
         if remaining <= 0:
             return 0
         if self.config.chunked_prefill:
@@ -532,6 +537,8 @@ class Scheduler:
         """Give a running group its tokens, preempting from the end. False if it preempted itself."""
         if self._budget <= 0:
             return True
+        if group.num_detached:
+            return self._schedule_attaching(group)
         hold_last = False
         if group.has_forked and group.is_beam:
             hold_last = self._hold_last(group)
@@ -547,13 +554,8 @@ class Scheduler:
                 if num_tokens == 0:
                     continue
             seq_id = seq.seq_id
-            while not kv.can_append(seq_id, num_tokens):
-                victim = self.running[-1]
-                if victim is group:
-                    self._preempt_self(group)
-                    return False
-                self.running.pop()
-                self._preempt(victim)
+            if not kv.can_append(seq_id, num_tokens) and not self._make_room(group, seq_id, num_tokens):
+                return False
             ops = kv.append(seq_id, num_tokens)
             if ops is not NO_OPS:
                 self._ops.append(ops)
@@ -561,6 +563,87 @@ class Scheduler:
             self._budget -= num_tokens
             if self._budget <= 0:
                 break
+        return True
+
+    def _make_room(self, group: SequenceGroup, seq_id: int, num_tokens: int) -> bool:
+        """Preempt less important running groups until ``seq_id`` can grow by ``num_tokens``.
+
+        When ``group`` is the last running group, the device blocks that swapped groups
+        still hold (blocks shared with their siblings or pinned by the prefix index stay
+        resident) are the only memory left to take: those groups are recomputed instead,
+        least important first. Only then does ``group`` preempt itself (returns False).
+        """
+        kv = self.kv
+        while not kv.can_append(seq_id, num_tokens):
+            victim = self.running[-1]
+            if victim is group:
+                if len(self.running) == 1 and self.swapped:
+                    self._recompute(self.swapped.pop())
+                    continue
+                self._preempt_self(group)
+                return False
+            self.running.pop()
+            self._preempt(victim)
+        return True
+
+    # A forked group (parallel samples, beams) preempted by recompute comes back with only
+    # its leader (seqs[0]) attached: the leader recomputes up to the share point (the
+    # shortest common prefix with a detached sibling, before anyone's last token) and
+    # stops; the next step the siblings fork its blocks (KV fork: no new block) and go on
+    # from there. Every sibling shares at least the prompt with the leader, so the group
+    # never holds more than ``num_blocks_needed``; recomputing each sample alone would
+    # hold the prompt once per sample and may never fit again.
+
+    def _share_point(self, group: SequenceGroup) -> int:
+        """Tokens the leader computes before its detached siblings attach. Pure."""
+        kv = self.kv
+        tokens = group.seqs[0].token_ids
+        point = len(tokens) - 1
+        for seq in group.seqs[1:]:
+            if kv.has_seq(seq.seq_id):
+                continue
+            other = seq.token_ids
+            end = min(point, len(other) - 1)
+            # Samples and beams all start with the prompt; compare from there.
+            index = seq.num_prompt_tokens
+            while index < end and tokens[index] == other[index]:
+                index += 1
+            point = min(point, index)
+        return point
+
+    def _attach(self, group: SequenceGroup, point: int) -> None:
+        """Fork the leader's blocks (exactly its ``point`` computed tokens) to every detached sibling."""
+        kv = self.kv
+        leader = group.seqs[0]
+        assert kv.num_tokens(leader.seq_id) == leader.num_computed_tokens == point, (
+            f"{group.request_id}: the leader holds {kv.num_tokens(leader.seq_id)} slots, "
+            f"{leader.num_computed_tokens} computed, at share point {point}"
+        )
+        for seq in group.seqs[1:]:
+            if not kv.has_seq(seq.seq_id):
+                kv.fork(leader.seq_id, seq.seq_id)
+                seq.num_computed_tokens = leader.num_computed_tokens
+        group.num_detached = 0
+
+    def _schedule_attaching(self, group: SequenceGroup) -> bool:
+        """``_schedule_running`` for a group with detached siblings: the leader computes up to
+        the share point; once it is there, the siblings attach and the group runs as usual."""
+        leader = group.seqs[0]
+        point = self._share_point(group)
+        if leader.num_computed_tokens == point:
+            self._attach(group, point)
+            return self._schedule_running(group)
+        num_tokens = self._chunk_len(point - leader.num_computed_tokens)
+        if num_tokens == 0:
+            return True
+        if not self.kv.can_append(leader.seq_id, num_tokens) and not self._make_room(
+            group, leader.seq_id, num_tokens
+        ):
+            return False
+        ops = self.kv.append(leader.seq_id, num_tokens)
+        if ops is not NO_OPS:
+            self._ops.append(ops)
+        self._add_piece(group, leader, leader.num_computed_tokens, num_tokens)
         return True
 
     def _add_piece(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
@@ -601,17 +684,37 @@ class Scheduler:
             group.status = GroupStatus.SWAPPED
             self._insert(self.swapped, group)
             return
+        self._recompute(group)
+
+    def _recompute(self, group: SequenceGroup) -> None:
+        """Drop every KV block of a preempted group (device and host) and queue it to be
+        computed again. Mutates the KV manager, the group and the waiting queue."""
+        kv = self.kv
         for seq in group.seqs:
             seq.num_lost_tokens = max(seq.num_lost_tokens, seq.num_computed_tokens)
             seq.num_computed_tokens = 0
-            self.kv.free(seq.seq_id)
+            if kv.has_seq(seq.seq_id):  # detached siblings hold nothing
+                kv.free(seq.seq_id)
+        group.num_detached = 0
         group.status = GroupStatus.WAITING
         self._insert(self.waiting, group)
+
+    def _unblock_swapped(self, first_scheduled: list[str]) -> None:
+        """Nothing runs and the head swapped group cannot come back: the other swapped
+        groups' resident blocks are in its way. Recompute them (least important first),
+        then the head itself, until a group swaps in or admission can start one."""
+        while self.swapped and not self.running:
+            self._recompute(self.swapped.pop(-1 if len(self.swapped) > 1 else 0))
+            self._swap_in_groups()
+        if not self.swapped:
+            self._admit_waiting(first_scheduled)
 
     def _swap_out(self, group: SequenceGroup) -> bool:
         """Move every sequence's blocks to the host; on a full host pool undo and return False."""
         moved: list[Sequence] = []
         for seq in group.seqs:
+            if not self.kv.has_seq(seq.seq_id):
+                continue  # a detached sibling holds nothing
             if not self.kv.can_swap_out(seq.seq_id):
                 break
             self._ops.append(self.kv.swap_out(seq.seq_id))
@@ -632,6 +735,8 @@ class Scheduler:
                 return
             moved: list[Sequence] = []
             for seq in group.seqs:
+                if not self.kv.has_seq(seq.seq_id):
+                    continue  # a detached sibling holds nothing
                 if not self.kv.can_swap_in(seq.seq_id):
                     break
                 self._ops.append(self.kv.swap_in(seq.seq_id))
@@ -653,6 +758,14 @@ class Scheduler:
             group = self.waiting[0]
             if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
                 return
+            if group.has_forked and len(group.seqs) > 1:
+                if not self._admit_forked(group):
+                    return
+                self.waiting.pop(0)
+                group.status = GroupStatus.RUNNING
+                self._num_running_seqs += group.num_samples
+                self._insert(self.running, group)
+                continue
             hold_last = group.is_beam and group.has_forked
             salt = group.request.cache_salt
             admitted: list[Sequence] = []
@@ -691,6 +804,50 @@ class Scheduler:
                 kv.free(seq.seq_id)
             return
 
+    def _admit_forked(self, group: SequenceGroup) -> bool:
+        """Admit a forked group after a recompute preemption: its leader with a prefix-cache
+        hit of at most the share point and its first chunk towards it; its siblings attach
+        at once when the hit reaches the share point, else in a later step. False (and
+        nothing held) when that does not fit now."""
+        kv = self.kv
+        leader = group.seqs[0]
+        point = self._share_point(group)  # every sibling is detached: none holds KV
+        salt = group.request.cache_salt
+        # A hit past the share point would give the leader slots its siblings cannot fork.
+        shared = TokenPrefix(leader.token_ids, point + 1)
+        remaining = point - kv.num_cached_tokens(shared, salt)
+        if not self.config.chunked_prefill and remaining > self._budget and self._pieces:
+            return False
+        num_tokens = min(remaining, self._budget) if self.config.chunked_prefill else remaining
+        if not kv.can_allocate(leader.seq_id, shared, num_tokens, salt):
+            return False
+        num_cached, ops = kv.allocate(leader.seq_id, shared, num_tokens, salt)
+        self._ops.append(ops)
+        leader.num_computed_tokens = num_cached
+        group.num_detached = len(group.seqs) - 1
+        if num_tokens > 0:
+            self._add_piece(group, leader, num_cached, num_tokens)
+            return True
+        self._attach(group, point)
+        hold_last = group.is_beam
+        for seq in group.seqs:
+            num_tokens = self._num_tokens_to_run(group, seq, hold_last)
+            if num_tokens == 0:
+                continue
+            if not kv.can_append(seq.seq_id, num_tokens):
+                # Undo: the group holds nothing and waits (head-of-line, as any group).
+                self._drop_pieces(group)
+                for undone in group.seqs:
+                    undone.num_computed_tokens = 0
+                    kv.free(undone.seq_id)
+                group.num_detached = 0
+                return False
+            ops = kv.append(seq.seq_id, num_tokens)
+            if ops is not NO_OPS:
+                self._ops.append(ops)
+            self._add_piece(group, seq, seq.num_computed_tokens, num_tokens)
+        return True
+
     def _reject_stuck_head(self) -> list[RejectedRequest]:
         """Nothing runs and nothing was scheduled: the head can never start, so reject it."""
         queue = self.swapped or self.waiting
@@ -710,7 +867,7 @@ class Scheduler:
     def _release(self, group: SequenceGroup) -> None:
         """Drop every KV reference of ``group`` (device or host) and forget its sequences."""
         for seq in group.seqs:
-            if group.status is not GroupStatus.WAITING or seq.num_computed_tokens > 0:
+            if self.kv.has_seq(seq.seq_id):
                 self.kv.free(seq.seq_id)
             self._seqs.pop(seq.seq_id, None)
         group.status = GroupStatus.FINISHED
@@ -898,6 +1055,8 @@ class Scheduler:
         used_per_block: dict[int, int] = {}
         unshared = 0
         for seq in group.seqs:
+            if group.num_detached and not kv.has_seq(seq.seq_id):
+                continue
             num_tokens = kv.num_tokens(seq.seq_id)
             unshared += num_tokens
             for logical, block in enumerate(kv.block_table(seq.seq_id)):
@@ -919,8 +1078,10 @@ class Scheduler:
     def check(self) -> None:
         """Raise AssertionError when scheduler and KV manager disagree (call between steps).
 
-        Every sequence of a running or swapped group holds exactly its computed tokens'
-        slots; waiting groups hold none; the sequence budget matches the running groups.
+        Every attached sequence of a running or swapped group holds exactly its computed
+        tokens' slots; a detached one (see ``_attach``) holds nothing, has computed nothing
+        and is not the leader; waiting groups hold none; the sequence budget matches the
+        running groups.
         """
         kv = self.kv
         for queue, status in ((self.running, GroupStatus.RUNNING), (self.swapped, GroupStatus.SWAPPED)):
@@ -928,13 +1089,25 @@ class Scheduler:
                 assert group.status is status, (
                     f"{group.request_id}: status {group.status} in {status.value} queue"
                 )
+                detached = [seq for seq in group.seqs if not kv.has_seq(seq.seq_id)]
+                assert len(detached) == group.num_detached, (
+                    f"{group.request_id}: {len(detached)} sequences without KV, num_detached "
+                    f"{group.num_detached}"
+                )
+                assert not detached or group.seqs[0] not in detached, (
+                    f"{group.request_id}: the leader is detached"
+                )
                 for seq in group.seqs:
+                    if seq in detached:
+                        assert seq.num_computed_tokens == 0, f"{group.request_id} seq {seq.seq_id}: detached"
+                        continue
                     assert kv.num_tokens(seq.seq_id) == seq.num_computed_tokens, (
                         f"{group.request_id} seq {seq.seq_id}: {kv.num_tokens(seq.seq_id)} KV slots but "
                         f"{seq.num_computed_tokens} computed tokens"
                     )
         for group in self.waiting:
             assert group.status is GroupStatus.WAITING, f"{group.request_id}: {group.status} in waiting queue"
+            assert group.num_detached == 0, f"{group.request_id}: waiting with num_detached set"
             for seq in group.seqs:
                 assert not kv.has_seq(seq.seq_id), (
                     f"{group.request_id} seq {seq.seq_id}: waiting but holds KV"

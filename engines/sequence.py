@@ -28,8 +28,8 @@ from kvbench.types import FinishedRequest, Request
 
 class GroupStatus(enum.Enum):
     WAITING = "waiting"  # no KV held: new, or preempted by recompute
-    RUNNING = "running"  # every live sequence holds its KV blocks on the device
-    SWAPPED = "swapped"  # every live sequence's blocks are in the host pool
+    RUNNING = "running"  # every attached live sequence holds its KV blocks on the device
+    SWAPPED = "swapped"  # every attached live sequence's own blocks are in the host pool
     FINISHED = "finished"
 
 
@@ -116,6 +116,7 @@ class SequenceGroup:
         "peak_kv_slots",
         "peak_kv_slots_unshared",
         "eos_token_id",
+        "num_detached",
     )
 
     def __init__(self, request: Request, arrival_index: int, first_seq_id: int, eos_token_id: int) -> None:
@@ -141,6 +142,11 @@ class SequenceGroup:
         self.was_scheduled = False
         self.peak_kv_slots = 0
         self.peak_kv_slots_unshared = 0
+        # Sequences of a running (or swapped) group that hold no KV yet: after a recompute
+        # preemption of a forked group only seqs[0] (the leader) is admitted; the others
+        # fork its blocks once it has recomputed their common prefix (the scheduler's
+        # "attach"), so the samples share the prompt again instead of each recomputing it.
+        self.num_detached = 0
 
     @property
     def request_id(self) -> str:
