@@ -302,8 +302,13 @@ class BoundedCacheEngine:
         kv_memory_bytes: int | None = 32 * 1024 * 1024,
         num_host_blocks: int = 0,
         preemption: str = "recompute",
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        chunked_prefill: bool = True,
+        victim_policy: str = "newest",
+        decode_backend: str = "auto",
+        fast_forward: bool = True,
         executor: Executor | None = None,
-        **scheduler_params: Any,
     ) -> None:
         policy.validate()
         self.policy = policy
@@ -358,23 +363,32 @@ class BoundedCacheEngine:
             num_host_blocks=num_host_blocks,
             executor=executor,
             kv_manager=self.kv,  # type: ignore[arg-type]  # same interface as PagedKVManager
-            **scheduler_params,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            chunked_prefill=chunked_prefill,
+            victim_policy=victim_policy,
+            decode_backend=decode_backend,
+            fast_forward=fast_forward,
         )
         self._rejected: list[RejectedRequest] = []
         # One record per step (host traffic, fetch recall): what StepStats has no field for.
         self.transfer_log: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ Engine protocol
-    def add_request(self, request: Request) -> None:
-        """Queue ``request``; n > 1 or beam search is reported as rejected by the next step."""
+    def unsupported_reason(self, request: Request) -> str | None:
+        """n > 1 and beam search: an evicting sequence cannot share blocks with its siblings."""
         if request.n > 1 or request.beam_width > 1:
-            self._rejected.append(
-                RejectedRequest(
-                    request.request_id,
-                    f"engine {self.name}: bounded KV caches cannot share blocks between samples "
-                    f"(n={request.n}, beam_width={request.beam_width})",
-                )
+            return (
+                f"engine {self.name}: bounded KV caches cannot share blocks between samples "
+                f"(n={request.n}, beam_width={request.beam_width})"
             )
+        return None
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; an unsupported one is reported as rejected by the next step."""
+        reason = self.unsupported_reason(request)
+        if reason is not None:
+            self._rejected.append(RejectedRequest(request.request_id, reason))
             return
         self.paged.add_request(request)
 

@@ -85,6 +85,11 @@ class DenseEngine:
         """Queue ``request`` (mutates the waiting queue). Unfit requests are rejected by step()."""
         self.waiting.append(request)
 
+    def unsupported_reason(self, request: Request) -> str | None:
+        if request.beam_width > 1:
+            return "beam search is not supported by the dense reference engine"
+        return None
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -210,24 +215,26 @@ class DenseEngine:
     def _reject_unfit(self) -> list[RejectedRequest]:
         rejected, kept = [], deque()
         for request in self.waiting:
-            reason = None
-            if request.beam_width > 1:
-                reason = "beam search is not supported by the dense reference engine"
-            elif request.num_prompt_tokens + request.max_new_tokens > self.max_seq_len:
-                reason = (
-                    f"prompt {request.num_prompt_tokens} + max_new_tokens {request.max_new_tokens} "
-                    f"exceeds max_seq_len {self.max_seq_len}"
-                )
-            elif request.n > self.max_num_seqs:
-                reason = f"n={request.n} exceeds max_num_seqs {self.max_num_seqs}"
-            elif request.num_prompt_tokens == 0 or request.max_new_tokens <= 0:
-                reason = "empty prompt or max_new_tokens <= 0"
+            reason = self.unsupported_reason(request) or self._unfit_reason(request)
             if reason is None:
                 kept.append(request)
             else:
                 rejected.append(RejectedRequest(request.request_id, reason))
         self.waiting = kept
         return rejected
+
+    def _unfit_reason(self, request: Request) -> str | None:
+        """Why ``request`` cannot run in this engine's slots (their length and count). Pure."""
+        if request.num_prompt_tokens + request.max_new_tokens > self.max_seq_len:
+            return (
+                f"prompt {request.num_prompt_tokens} + max_new_tokens {request.max_new_tokens} "
+                f"exceeds max_seq_len {self.max_seq_len}"
+            )
+        if request.n > self.max_num_seqs:
+            return f"n={request.n} exceeds max_num_seqs {self.max_num_seqs}"
+        if request.num_prompt_tokens == 0 or request.max_new_tokens <= 0:
+            return "empty prompt or max_new_tokens <= 0"
+        return None
 
     def _admit(self) -> list[_Running]:
         admitted = []

@@ -341,6 +341,10 @@ class PagedEngine:
         """Queue ``request`` (mutates the scheduler's waiting queue); unfit ones are rejected by step()."""
         self.scheduler.add(request)
 
+    def unsupported_reason(self, request: Request) -> str | None:
+        """None: the paged engine serves parallel sampling and beam search (shared blocks)."""
+        return None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

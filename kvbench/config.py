@@ -9,6 +9,12 @@ types cannot express (kv heads dividing q heads, positive lengths, ...).
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -142,8 +148,10 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(str(exc)) from None
     if merged.run.mode not in ("real", "sim"):
         raise ConfigError(f"run.mode: must be 'real' or 'sim', got {merged.run.mode!r}")
-    if merged.run.memory_interval_s <= 0:
-        raise ConfigError(f"run.memory_interval_s: must be > 0, got {merged.run.memory_interval_s}")
+    if not (merged.run.memory_interval_s > 0 and math.isfinite(merged.run.memory_interval_s)):
+        raise ConfigError(
+            f"run.memory_interval_s: must be > 0 and finite, got {merged.run.memory_interval_s}"
+        )
     if merged.run.mode == "real":
         computable = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
         for key in ("dtype", "kv_dtype"):
@@ -164,6 +172,7 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(
                 f"{section}: missing; choose a preset, e.g. {section}=<name> (see conf/{section}/)"
             )
+        check_plugin_params(node, section)
     if merged.quality.enabled:
         if merged.run.mode != "real":
             raise ConfigError("quality.enabled: the quality harness runs the real model (run.mode=real)")
@@ -175,8 +184,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             raise ConfigError(str(exc)) from None
     for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
         value = merged.slo[key]
-        if value is not None and value <= 0:
-            raise ConfigError(f"slo.{key}: must be > 0, got {value}")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"slo.{key}: must be > 0 and finite, got {value}")
     return merged
 
 
@@ -217,3 +226,133 @@ def validate_size_config(cfg: DictConfig) -> DictConfig:
     if merged.format not in ("table", "json"):
         raise ConfigError(f"format: must be 'table' or 'json', got {merged.format!r}")
     return merged
+
+
+# --------------------------------------------------------------------------- plug-in parameters
+# Parameters a plug-in receives from the runtime, never from its YAML node.
+_INJECTED_PARAMS = frozenset({"ctx", "tokenizer", "executor", "kv_manager", "kv_manager_factory"})
+
+
+def check_plugin_params(node: DictConfig, section: str) -> None:
+    """Check every key of a ``_target_`` node against the target's signature and type hints.
+
+    The target's annotations are the schema of its YAML: ``bool`` takes only true/false
+    (``abc`` is not truthy, it is an error), ``int`` only integers, ``float`` numbers,
+    ``str`` strings, ``Literal[...]`` its members, ``X | None`` also null. Keys the target
+    does not accept fail with a "did you mean". A target that forwards ``**kwargs`` is
+    followed to where they go: a class's base ``__init__``, a factory's annotated return
+    class. Pure; raises ConfigError naming ``section.key``.
+    """
+    target_name = str(node._target_)
+    try:
+        from hydra.utils import get_object
+
+        target = get_object(target_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is a bad _target_
+        raise ConfigError(f"{section}._target_: cannot import {target_name!r}: {_first_line(exc)}") from None
+    params, open_ended = accepted_params(target)
+    for key in node:
+        key = str(key)
+        if key.startswith("_"):
+            continue
+        if key not in params:
+            if open_ended:
+                continue
+            known = sorted(k for k in params if k not in _INJECTED_PARAMS)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {section}.{close[0]}?" if close else f"; known keys: {', '.join(known)}"
+            raise ConfigError(f"{section}.{key}: unknown key for {target_name}{hint}")
+        annotation = params[key]
+        if annotation is inspect.Parameter.empty:
+            continue
+        value = OmegaConf.to_container(node[key]) if OmegaConf.is_config(node[key]) else node[key]
+        problem = _type_problem(value, annotation)
+        if problem is not None:
+            raise ConfigError(f"{section}.{key}: expected {problem}, got {value!r}")
+
+
+def accepted_params(target: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
+    """The keyword parameters ``target`` accepts, with resolved annotations, and whether it
+    still takes arbitrary ``**kwargs`` after following every forward (then unknown keys
+    cannot be judged). Pure."""
+    params: dict[str, Any] = {}
+    seen: set[int] = set()
+    queue: list[Callable[..., Any]] = [target]
+    open_ended = False
+    while queue:
+        current = queue.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        function = current.__init__ if isinstance(current, type) else current
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):
+            return params, True
+        try:
+            hints = get_type_hints(function)
+        except Exception:  # noqa: BLE001 - unresolvable forward references: no type checks
+            hints = {}
+        forwards = False
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                forwards = True
+            elif parameter.kind is not inspect.Parameter.VAR_POSITIONAL and name != "self":
+                params.setdefault(name, hints.get(name, inspect.Parameter.empty))
+        if not forwards:
+            continue
+        # Where do the **kwargs go? A class: its next base that defines __init__; a
+        # factory: the class its return annotation names.
+        nexts: list[Callable[..., Any]] = []
+        if isinstance(current, type):
+            nexts = [base for base in current.__mro__[1:] if "__init__" in vars(base) and base is not object]
+        elif isinstance(hints.get("return"), type):
+            nexts = [hints["return"]]
+        if nexts:
+            queue.append(nexts[0])
+        else:
+            open_ended = True
+    return params, open_ended
+
+
+_KIND_NAMES: dict[type, str] = {
+    bool: "a boolean (true or false)",
+    int: "an integer",
+    float: "a finite number",
+    str: "a string",
+    type(None): "null",
+}
+
+
+def _type_problem(value: Any, annotation: Any) -> str | None:
+    """None when ``value`` (plain YAML data) fits ``annotation``, else what was expected."""
+    origin = typing.get_origin(annotation)
+    if annotation is Any or annotation is object:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        problems = [_type_problem(value, arm) for arm in typing.get_args(annotation)]
+        if any(p is None for p in problems):
+            return None
+        return " or ".join(dict.fromkeys(p for p in problems if p))
+    if origin is typing.Literal:
+        members = typing.get_args(annotation)
+        return None if value in members else "one of " + ", ".join(map(repr, members))
+    if annotation is bool:
+        return None if isinstance(value, bool) else _KIND_NAMES[bool]
+    if annotation is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else _KIND_NAMES[int]
+    if annotation is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else _KIND_NAMES[float]
+    if annotation is str:
+        return None if isinstance(value, str) else _KIND_NAMES[str]
+    if annotation is type(None):
+        return None if value is None else _KIND_NAMES[type(None)]
+    base = origin or annotation
+    if base in (dict, Mapping) or (isinstance(base, type) and issubclass(base, Mapping)):
+        return None if isinstance(value, Mapping) else "a mapping"
+    if base in (list, tuple, Sequence):
+        return None if isinstance(value, (list, tuple)) else "a list"
+    # Other annotations (objects the runtime passes, type aliases it cannot check):
+    # the target validates them itself.
+    return None

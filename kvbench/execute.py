@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import re
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,25 @@ def nothing_completed_error(requests: pd.DataFrame, summary: dict[str, Any]) -> 
     return "; ".join(parts)
 
 
+def refuse_unservable(engine: Engine, workload: Workload, cfg: DictConfig) -> None:
+    """Raise ConfigError naming ``engine=`` and ``workload=`` when the engine lacks a feature
+    that every request of the workload needs (H2O and beam search, ...), before any replay.
+
+    A workload only partly unservable runs: those requests are rejected and counted. Pure.
+    """
+    if not workload.requests:
+        return
+    reasons = Counter(engine.unsupported_reason(request) for request in workload.requests)
+    if None in reasons:
+        return
+    reason, count = reasons.most_common(1)[0]
+    engine_name = cfg.engine.get("name") or cfg.engine._target_
+    raise ConfigError(
+        f"engine={engine_name} cannot serve any request of workload={workload.name}: {reason} "
+        f"({count} of {len(workload.requests)} requests); choose another engine or workload"
+    )
+
+
 def _shorten(text: str) -> str:
     return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
 
@@ -259,11 +279,12 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     model = None if sim else load_model(spec, cfg)
     ctx = EngineContext(spec, hardware, model, cfg.run.device, kv_dtype, cfg.seed, cfg.run.mode)
     factory = instantiate_plugin(cfg.engine, "engine")
+    engine = build_engine(factory, ctx, cfg.engine._target_)
+    refuse_unservable(engine, workload, cfg)
     if cfg.run.warmup and not sim:
         # A throwaway engine warms kernels and allocator without priming the measured
         # engine's prefix cache.
         replay(build_engine(factory, ctx, cfg.engine._target_), _warmup_workload(spec), WallClock())
-    engine = build_engine(factory, ctx, cfg.engine._target_)
     cuda = cfg.run.device.startswith("cuda") and torch.cuda.is_available()
     clock = SimClock() if sim else WallClock(torch.cuda.synchronize if cuda else None, cuda_events=cuda)
     device_index = torch.device(cfg.run.device).index or 0

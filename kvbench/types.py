@@ -312,6 +312,15 @@ class Engine(Protocol):
 
     def add_request(self, request: Request) -> None: ...
 
+    def unsupported_reason(self, request: Request) -> str | None:
+        """Why this engine can never serve ``request`` whatever its pool, budget or load
+        (a feature it lacks: parallel sampling, beam search), or None when it can. Pure.
+
+        The engine rejects such a request at run time with this reason; a run whose every
+        request is unsupported is refused before it starts as a configuration error.
+        """
+        ...
+
     def step(self) -> StepOutput: ...
 
     def has_unfinished(self) -> bool: ...
