@@ -1,6 +1,6 @@
 """The `kvbench` command: a thin front that dispatches to subcommands.
 
-Hydra owns configuration for `run`, `sweep` and `size` (overrides such as
+Hydra owns configuration for `run`, `sweep`, `size` and `export` (overrides such as
 ``model=llama-3-70b engine=paged``); the result/report subcommands take ordinary
 flags. Nothing here changes the working directory.
 """
@@ -22,6 +22,7 @@ commands:
   compare   compare two result sets:          kvbench compare BASELINE CANDIDATE --fail-on tpot_ms_p99:+10%
   trace     inspect a trace file:             kvbench trace inspect FILE [--json]
   calibrate fit simulation coefficients:      kvbench calibrate RESULTS_DIR --name my-cpu
+  export    model as a Hugging Face directory: kvbench export model=tiny-gqa seed=0 dtype=fp32 out=DIR
 
 `kvbench <command> --help` explains each command.
 """
@@ -129,9 +130,41 @@ def _size_task(cfg) -> None:  # noqa: ANN001
         print(format_table(report))
 
 
+def _export_task(cfg) -> None:  # noqa: ANN001
+    from kvbench.config import ConfigError
+    from kvbench.export import export_from_config
+    from kvbench.tokenizer import MissingModelPackageError
+
+    try:
+        out = export_from_config(cfg)
+    except ConfigError as exc:
+        print(f"kvbench export: invalid configuration\n  {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (ValueError, MissingModelPackageError, OSError) as exc:  # ExportError is a ValueError
+        print(f"kvbench export: cannot export\n  {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(out)
+
+
+EXPORT_HELP = """\
+usage: kvbench export [KEY=VALUE ...]
+
+Writes kvbench's reference model as a Hugging Face Llama directory (config.json,
+model.safetensors, generation_config.json; tokenizer.json for models with a tokenizer)
+and prints its path, so a server (vLLM, transformers) runs exactly the weights kvbench's
+engines use. Repeating an export is a no-op; kvbench replaces only a directory it wrote.
+
+keys: model=NAME (default tiny-gqa) model.<field>=.. (e.g. model.vocab_size=1024)
+      seed=0 (random weights' seed, as in `kvbench run`) dtype=fp32|bf16|fp16
+      out=DIR (default: a directory in the kvbench cache, $KVBENCH_CACHE_DIR or ~/.cache/kvbench)
+"""
+
+
 def _hydra_command(command: str, argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        if command == "size":
+        if command == "export":
+            print(f"{EXPORT_HELP}models: {', '.join(_presets('model'))}")
+        elif command == "size":
             print(
                 "usage: kvbench size [KEY=VALUE ...] [--json]\n\n"
                 "KV-cache memory of a model: bytes per token / sequence / batch, weights, and how many\n"
@@ -147,6 +180,8 @@ def _hydra_command(command: str, argv: list[str]) -> int:
     if command == "size":
         overrides = [a for a in argv if a != "--json"] + (["format=json"] if "--json" in argv else [])
         _run_hydra(_size_task, "size", overrides, multirun=False)
+    elif command == "export":
+        _run_hydra(_export_task, "export", argv, multirun=False)
     else:
         _run_hydra(_run_task, "config", argv, multirun=command == "sweep")
     return 0
@@ -175,6 +210,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "run": lambda argv: _hydra_command("run", argv),
     "sweep": lambda argv: _hydra_command("sweep", argv),
     "size": lambda argv: _hydra_command("size", argv),
+    "export": lambda argv: _hydra_command("export", argv),
     "report": _delegate("kvbench.report", "report_main"),
     "compare": _delegate("kvbench.compare", "main"),
     "trace": _trace,

@@ -46,6 +46,11 @@ HardwareSchema = schema_of(HardwareSpec)
 QualitySchema = schema_of(QualityConfig, extra=(("enabled", bool, False),))
 
 
+# Dtypes the real engines compute and store in (kvbench.model.TORCH_DTYPES' keys, named
+# here without importing torch).
+COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+
+
 class ConfigError(ValueError):
     """Invalid configuration; ``str()`` is the one-screen message shown to the user."""
 
@@ -109,11 +114,22 @@ class SizeConfig:
     format: str = "table"  # table | json
 
 
+@dataclass
+class ExportConfig:
+    """`kvbench export`: the reference model of ``model`` as a Hugging Face directory."""
+
+    model: Any = field(default_factory=ModelSchema)
+    seed: int = 0  # random weights' seed (the run's `seed`)
+    dtype: str = "fp32"  # weights' dtype: fp32 | bf16 | fp16
+    out: str | None = None  # None: the kvbench cache (kvbench.export.exported_model_dir)
+
+
 def register_schemas() -> None:
     """Register the schemas with Hydra's ConfigStore (idempotent; called by the CLI)."""
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     store.store(name="size_schema", node=SizeConfig)
+    store.store(name="export_schema", node=ExportConfig)
 
 
 def _merge_structured(schema: type, cfg: DictConfig) -> DictConfig:
@@ -153,10 +169,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
             f"run.memory_interval_s: must be > 0 and finite, got {merged.run.memory_interval_s}"
         )
     if merged.run.mode == "real":
-        computable = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
         for key in ("dtype", "kv_dtype"):
             value = merged.run[key]
-            if value is not None and value not in computable:
+            if value is not None and value not in COMPUTE_DTYPES:
                 raise ConfigError(
                     f"run.{key}: {value!r} cannot be computed by the real engines (fp32, bf16, fp16); "
                     "lower-precision KV is sized by `kvbench size` and modeled by run.mode=sim"
@@ -356,3 +371,15 @@ def _type_problem(value: Any, annotation: Any) -> str | None:
     # Other annotations (objects the runtime passes, type aliases it cannot check):
     # the target validates them itself.
     return None
+
+
+def validate_export_config(cfg: DictConfig) -> DictConfig:
+    """Return the schema-checked `kvbench export` config or raise ConfigError naming the key."""
+    merged = _merge_structured(ExportConfig, cfg)
+    try:
+        ModelSpec(**OmegaConf.to_container(merged.model)).validate()
+    except SpecError as exc:
+        raise ConfigError(str(exc)) from None
+    if merged.dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"dtype: {merged.dtype!r} cannot be exported (fp32, bf16 or fp16)")
+    return merged

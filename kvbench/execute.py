@@ -68,14 +68,9 @@ def run_id_for(overrides: list[str], digest: str) -> str:
 
 def load_model(spec: ModelSpec, cfg: DictConfig) -> LlamaModel:
     """Real-mode weights: seeded random, the SmolLM2 GGUF, or a local safetensors path."""
-    if spec.weights == "random":
-        return LlamaModel.random(spec, cfg.seed, device=cfg.run.device, dtype=cfg.run.dtype)
-    if spec.weights == "smollm2":
-        from kvbench.smollm2 import load_smollm2
+    from kvbench.export import reference_model
 
-        model, _ = load_smollm2(device=cfg.run.device, dtype=cfg.run.dtype)
-        return model
-    return LlamaModel.from_safetensors(spec, spec.weights, device=cfg.run.device, dtype=cfg.run.dtype)
+    return reference_model(spec, seed=cfg.seed, dtype=cfg.run.dtype, device=cfg.run.device)[0]
 
 
 def _config_error(section: str, exc: BaseException, target: object) -> ConfigError | None:

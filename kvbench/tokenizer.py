@@ -167,6 +167,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """This tokenizer as Hugging Face ``tokenizer.json`` text (the tokenizers package's own
+        serialisation); ``tokenizers.Tokenizer.from_str`` and transformers load it back unchanged."""
+        return str(self._backend.to_str())
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without BOS/EOS."""
         return list(self._backend.encode(text, add_special_tokens=False).ids)
