@@ -40,13 +40,22 @@ sequence with no tokens (reserved_unused = will_use, the rest internal).
 The manager learns which request a sequence serves, and what waits, from a
 ``GroupDirectory`` (the scheduler: ``group_of`` and ``waiting``), bound once with
 ``bind``; ``SlabEngine`` does that. It is tensor-free, so simulation mode runs it as is.
+
+Cost per engine step does not grow with the trace: ``usage`` reads running totals kept
+by every allocate/append/fork/free, the smallest waiting region is the minimum of a
+multiset that the waiting queue (a ``WaitingQueue``) updates as groups enter and leave
+it, and external fragmentation is a Fenwick-tree query over free-run lengths. (Scanning
+the waiting queue every step made long simulated traces quadratic: the queue grows with
+the trace.) ``check`` recounts all of it from scratch.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+import heapq
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex
 
 from kvbench.engines.executor import Executor
 from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps, SeqTable
@@ -96,40 +105,37 @@ def make_reservation(reserve: str, max_model_len: int) -> MaxLenReservation | Re
 
 
 class FirstFit:
-    """The lowest-addressed free run that is long enough. O(number of runs)."""
+    """The lowest-addressed free run that is long enough. O(number of free runs)."""
 
     name = "first_fit"
 
     @staticmethod
-    def choose(run_lengths: Sequence[int], num_blocks: int) -> int | None:
+    def choose(runs: FreeRuns, num_blocks: int) -> int | None:
         """Index (in address order) of the run to carve ``num_blocks`` from, or None."""
-        for index, length in enumerate(run_lengths):
-            if length >= num_blocks:
-                return index
-        return None
+        return runs.lowest_fitting(num_blocks)
 
 
 class BestFit:
-    """The shortest free run that is long enough (ties: lowest address). O(number of runs).
+    """The shortest free run that is long enough (ties: lowest address). O(log runs).
 
     Keeps long runs whole for long requests, at the price of leaving slivers."""
 
     name = "best_fit"
 
     @staticmethod
-    def choose(run_lengths: Sequence[int], num_blocks: int) -> int | None:
-        best: int | None = None
-        for index, length in enumerate(run_lengths):
-            if length >= num_blocks and (best is None or length < run_lengths[best]):
-                best = index
-        return best
+    def choose(runs: FreeRuns, num_blocks: int) -> int | None:
+        return runs.shortest_fitting(num_blocks)
 
 
 PLACEMENTS = {"first_fit": FirstFit, "best_fit": BestFit}
 
 
 class GroupDirectory(Protocol):
-    """What the slab manager reads from the scheduler (``Scheduler`` provides both)."""
+    """What the slab manager reads from the scheduler (``Scheduler`` provides both).
+
+    ``bind`` replaces ``waiting`` by a ``WaitingQueue`` holding the same groups (a list
+    that reports every group entering or leaving it), so ``waiting`` must be a plain
+    attribute that the directory only mutates in place afterwards."""
 
     waiting: list[SequenceGroup]
 
@@ -137,53 +143,238 @@ class GroupDirectory(Protocol):
 
 
 # --------------------------------------------------------------------------- free runs
-class FreeRuns:
-    """Free block runs of the arena, in address order, always coalesced.
+class _LengthSums:
+    """Fenwick tree over run lengths 1..max_length: blocks in runs of length <= n in O(log)."""
 
-    ``starts[i]`` / ``lengths[i]`` describe run i; adjacent runs never touch (a release
-    merges with its neighbours). Every call is O(number of runs).
+    __slots__ = ("_tree",)
+
+    def __init__(self, max_length: int) -> None:
+        self._tree = [0] * (max_length + 1)
+
+    def add(self, length: int, num_blocks: int) -> None:
+        tree = self._tree
+        index = length
+        while index < len(tree):
+            tree[index] += num_blocks
+            index += index & -index
+
+    def up_to(self, length: int) -> int:
+        """Blocks counted for every length <= ``length`` (clamped to the tree). Pure."""
+        tree = self._tree
+        index = min(length, len(tree) - 1)
+        total = 0
+        while index > 0:
+            total += tree[index]
+            index -= index & -index
+        return total
+
+
+class FreeRuns:
+    """Free block runs of the arena, always coalesced, indexed by address and by length.
+
+    ``starts[i]`` / ``lengths[i]`` describe run i in address order; adjacent runs never
+    touch (a release merges with its neighbours). A size index (sorted ``(length,
+    start)`` pairs) answers best fit and "do k regions fit" without a scan, and a Fenwick
+    tree over lengths gives the free blocks in runs shorter than n (external
+    fragmentation) in O(log num_blocks). ``take``/``release`` are O(log runs) plus list
+    insertions (memmove). There are at most (reserved regions + 1) runs, so the
+    address-order scans (first fit, ``num_fits``) are bounded by the live batch.
     """
 
     def __init__(self, num_blocks: int) -> None:
-        self.starts: list[int] = [0] if num_blocks else []
-        self.lengths: list[int] = [num_blocks] if num_blocks else []
-
-    @property
-    def num_free_blocks(self) -> int:
-        return sum(self.lengths)
+        self.starts: list[int] = []
+        self.lengths: list[int] = []
+        self.num_free_blocks = 0
+        self._by_size: list[tuple[int, int]] = []  # (length, start), sorted
+        self._length_sums = _LengthSums(num_blocks)
+        if num_blocks:
+            self._insert(0, 0, num_blocks)
 
     def num_fits(self, num_blocks: int) -> int:
         """How many regions of ``num_blocks`` could be carved now (each from a run's start)."""
         return sum(length // num_blocks for length in self.lengths)
 
+    def fits(self, num_blocks: int, count: int) -> bool:
+        """Whether ``num_fits(num_blocks) >= count``, from the longest runs down. Pure."""
+        found = 0
+        for length, _ in reversed(self._by_size):
+            if found >= count or length < num_blocks:
+                break
+            found += length // num_blocks
+        return found >= count
+
+    def lowest_fitting(self, num_blocks: int) -> int | None:
+        """Index of the lowest-addressed run of at least ``num_blocks``, or None. Pure."""
+        if not self._by_size or self._by_size[-1][0] < num_blocks:
+            return None
+        return next(index for index, length in enumerate(self.lengths) if length >= num_blocks)
+
+    def shortest_fitting(self, num_blocks: int) -> int | None:
+        """Index of the shortest run of at least ``num_blocks`` (ties: lowest address), or None. Pure."""
+        position = bisect.bisect_left(self._by_size, (num_blocks, -1))
+        if position == len(self._by_size):
+            return None
+        return bisect.bisect_left(self.starts, self._by_size[position][1])
+
+    def num_blocks_shorter_than(self, num_blocks: int) -> int:
+        """Free blocks in runs shorter than ``num_blocks``. O(log num_blocks), pure."""
+        return self._length_sums.up_to(num_blocks - 1)
+
     def take(self, index: int, num_blocks: int) -> int:
         """Carve ``num_blocks`` from the start of run ``index``; returns the region start."""
-        start = self.starts[index]
-        if self.lengths[index] == num_blocks:
-            del self.starts[index]
-            del self.lengths[index]
-        else:
-            self.starts[index] += num_blocks
-            self.lengths[index] -= num_blocks
+        start, length = self.starts[index], self.lengths[index]
+        self._remove(index)
+        if length > num_blocks:
+            self._insert(index, start + num_blocks, length - num_blocks)
         return start
 
     def release(self, start: int, num_blocks: int) -> None:
         """Return ``[start, start + num_blocks)`` (must be reserved), merging with neighbours."""
         index = bisect.bisect_left(self.starts, start)
-        merge_prev = index > 0 and self.starts[index - 1] + self.lengths[index - 1] == start
-        merge_next = index < len(self.starts) and start + num_blocks == self.starts[index]
-        if merge_prev and merge_next:
-            self.lengths[index - 1] += num_blocks + self.lengths[index]
-            del self.starts[index]
-            del self.lengths[index]
-        elif merge_prev:
-            self.lengths[index - 1] += num_blocks
-        elif merge_next:
-            self.starts[index] = start
-            self.lengths[index] += num_blocks
+        length = num_blocks
+        if index < len(self.starts) and start + num_blocks == self.starts[index]:
+            length += self.lengths[index]
+            self._remove(index)
+        if index > 0 and self.starts[index - 1] + self.lengths[index - 1] == start:
+            index -= 1
+            start = self.starts[index]
+            length += self.lengths[index]
+            self._remove(index)
+        self._insert(index, start, length)
+
+    def check(self) -> None:
+        """Raise AssertionError when the indexes disagree with the runs. O(runs log)."""
+        assert self._by_size == sorted(zip(self.lengths, self.starts)), "size index differs from the runs"
+        assert self.num_free_blocks == sum(self.lengths), (
+            f"free blocks {self.num_free_blocks}, recount {sum(self.lengths)}"
+        )
+        for length in {1, *self.lengths, *(n + 1 for n in self.lengths)}:
+            recount = sum(n for n in self.lengths if n < length)
+            assert self.num_blocks_shorter_than(length) == recount, (
+                f"blocks in runs shorter than {length}: {self.num_blocks_shorter_than(length)}, recount {recount}"
+            )
+
+    def _insert(self, index: int, start: int, length: int) -> None:
+        self.starts.insert(index, start)
+        self.lengths.insert(index, length)
+        bisect.insort(self._by_size, (length, start))
+        self._length_sums.add(length, length)
+        self.num_free_blocks += length
+
+    def _remove(self, index: int) -> None:
+        start = self.starts.pop(index)
+        length = self.lengths.pop(index)
+        del self._by_size[bisect.bisect_left(self._by_size, (length, start))]
+        self._length_sums.add(length, -length)
+        self.num_free_blocks -= length
+
+
+# --------------------------------------------------------------------------- waiting queue
+class WaitingQueue(list["SequenceGroup"]):
+    """The directory's waiting list, reporting every group that enters or leaves it.
+
+    A list in every other respect: the scheduler inserts (``bisect.insort`` calls
+    ``insert`` on a list subclass), pops, indexes and iterates it as before. Every
+    mutating list method is overridden, so the callbacks see each change exactly once.
+    """
+
+    __slots__ = ("_entered", "_left")
+
+    def __init__(
+        self,
+        groups: Iterable[SequenceGroup],
+        entered: Callable[[SequenceGroup], None],
+        left: Callable[[SequenceGroup], None],
+    ) -> None:
+        super().__init__(groups)
+        self._entered = entered
+        self._left = left
+        for group in self:
+            entered(group)
+
+    def append(self, group: SequenceGroup) -> None:
+        super().append(group)
+        self._entered(group)
+
+    def insert(self, index: SupportsIndex, group: SequenceGroup) -> None:
+        super().insert(index, group)
+        self._entered(group)
+
+    def extend(self, groups: Iterable[SequenceGroup]) -> None:
+        added = list(groups)
+        super().extend(added)
+        for group in added:
+            self._entered(group)
+
+    def __iadd__(self, groups: Iterable[SequenceGroup]) -> WaitingQueue:
+        self.extend(groups)
+        return self
+
+    def __imul__(self, times: SupportsIndex) -> WaitingQueue:
+        if operator.index(times) <= 0:
+            self.clear()
         else:
-            self.starts.insert(index, start)
-            self.lengths.insert(index, num_blocks)
+            self.extend(list(self) * (operator.index(times) - 1))
+        return self
+
+    def pop(self, index: SupportsIndex = -1) -> SequenceGroup:
+        group = super().pop(index)
+        self._left(group)
+        return group
+
+    def remove(self, group: SequenceGroup) -> None:
+        super().remove(group)
+        self._left(group)
+
+    def clear(self) -> None:
+        removed = list(self)
+        super().clear()
+        for group in removed:
+            self._left(group)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        removed = self[index] if isinstance(index, slice) else [self[index]]
+        added = list(value) if isinstance(index, slice) else [value]
+        super().__setitem__(index, added if isinstance(index, slice) else value)
+        for group in removed:
+            self._left(group)
+        for group in added:
+            self._entered(group)
+
+    def __delitem__(self, index: Any) -> None:
+        removed = self[index] if isinstance(index, slice) else [self[index]]
+        super().__delitem__(index)
+        for group in removed:
+            self._left(group)
+
+
+class _MinCounter:
+    """A multiset of ints with its minimum: add/remove O(log n) amortised (lazy heap)."""
+
+    __slots__ = ("counts", "_heap")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self._heap: list[int] = []  # every counted value, plus values whose count fell to 0
+
+    def add(self, value: int) -> None:
+        count = self.counts.get(value, 0)
+        if not count:
+            heapq.heappush(self._heap, value)
+        self.counts[value] = count + 1
+
+    def remove(self, value: int) -> None:
+        count = self.counts[value] - 1
+        if count:
+            self.counts[value] = count
+        else:
+            del self.counts[value]
+
+    def min(self) -> int | None:
+        heap = self._heap
+        while heap and heap[0] not in self.counts:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
 
 # --------------------------------------------------------------------------- records
@@ -252,9 +443,15 @@ class SlabKVManager(SeqTable):
         self.placement = placement or FirstFit()
         self.free_runs = FreeRuns(num_blocks)
         self._directory: GroupDirectory | None = None
+        self._waiting: WaitingQueue | None = None  # the directory's waiting list, once bound
+        self._waiting_regions = _MinCounter()  # region blocks of every waiting group
         self._seqs: dict[int, _SlabSeq] = {}
         self._groups: dict[str, _Group] = {}
         self._num_reserved_blocks = 0
+        # Running totals behind usage(): slots allocated over live sequences, and slots
+        # they and the spare regions will hold by their end (module doc, will_use).
+        self._num_token_slots = 0
+        self._num_will_use_slots = 0
         # Fork copies not yet handed out, per child: (src_block, dst_block).
         self._pending_copies: dict[int, tuple[tuple[int, int], ...]] = {}
         # Counters the engine reads. A slab has no prefix cache: it never looks a prefix
@@ -265,10 +462,14 @@ class SlabKVManager(SeqTable):
         self.num_fork_copies = 0  # cumulative blocks copied for forks
 
     def bind(self, directory: GroupDirectory) -> None:
-        """Attach the scheduler (or any ``GroupDirectory``). Mutates the binding; once only."""
+        """Attach the scheduler (or any ``GroupDirectory``); once only. Mutates the binding
+        and replaces ``directory.waiting`` by a ``WaitingQueue`` of the same groups, whose
+        changes keep the smallest waiting region up to date."""
         if self._directory is not None:
             raise ValueError("SlabKVManager: already bound to a scheduler")
         self._directory = directory
+        self._waiting = WaitingQueue(directory.waiting, self._waiting_entered, self._waiting_left)
+        directory.waiting = self._waiting
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -342,7 +543,7 @@ class SlabKVManager(SeqTable):
         region = self.region_num_blocks(group.request)
         if num_new_tokens > region * self.block_size:
             return False
-        return self.free_runs.num_fits(region) >= self._num_regions_to_reserve(group, record)
+        return self.free_runs.fits(region, self._num_regions_to_reserve(group, record))
 
     def allocate(
         self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
@@ -370,10 +571,11 @@ class SlabKVManager(SeqTable):
                 )
                 self._groups[group.request_id] = record
             for _ in range(num_regions):
-                record.spares.append(self._place(record.region_num_blocks))
-        start = record.spares.pop(0)
+                self._add_spare(record, self._place(record.region_num_blocks))
+        seq = _SlabSeq(record, self._take_spare(record), num_new_tokens)
         record.num_live += 1
-        self._seqs[seq_id] = _SlabSeq(record, start, num_new_tokens)
+        self._seqs[seq_id] = seq
+        self._count_slots(seq, 1)
         return 0, self._flush()
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
@@ -394,7 +596,12 @@ class SlabKVManager(SeqTable):
                 f"append: seq {seq_id} would hold {seq.num_tokens + num_new_tokens} slots, "
                 f"its region has {seq.group.region_num_blocks * self.block_size}"
             )
-        self._seqs[seq_id].num_tokens += num_new_tokens
+        seq = self._seqs[seq_id]
+        num_tokens = seq.num_tokens + num_new_tokens
+        will_use = seq.group.will_use  # _count_slots inlined: one call per decoded token
+        self._num_token_slots += num_new_tokens
+        self._num_will_use_slots += max(num_tokens, will_use) - max(seq.num_tokens, will_use)
+        seq.num_tokens = num_tokens
         return self._flush()
 
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
@@ -421,11 +628,12 @@ class SlabKVManager(SeqTable):
             raise KVCapacityError(
                 f"fork: request {group.request_id} has no reserved region left for seq {child_seq_id}"
             )
-        start = group.spares.pop(0)
+        start = self._take_spare(group)
         if group.num_forks_left is not None:
             group.num_forks_left -= 1
         group.num_live += 1
-        self._seqs[child_seq_id] = _SlabSeq(group, start, parent.num_tokens)
+        child = self._seqs[child_seq_id] = _SlabSeq(group, start, parent.num_tokens)
+        self._count_slots(child, 1)
         num_written = -(-parent.num_tokens // self.block_size)
         self._pending_copies[child_seq_id] = tuple((parent.start + i, start + i) for i in range(num_written))
 
@@ -435,16 +643,17 @@ class SlabKVManager(SeqTable):
         spares go back when its last sequence goes. Mutates the free runs and records."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        self._count_slots(seq, -1)
         self._pending_copies.pop(seq_id, None)
         group = seq.group
         group.num_live -= 1
         if group.num_forks_left == 0:
             self._release(seq.start, group.region_num_blocks)
         else:
-            group.spares.append(seq.start)
+            self._add_spare(group, seq.start)
         if group.num_live == 0:
-            for start in group.spares:
-                self._release(start, group.region_num_blocks)
+            while group.spares:
+                self._release(self._take_spare(group), group.region_num_blocks)
             del self._groups[group.request_id]
 
     # ------------------------------------------------------------------ swap (none)
@@ -466,18 +675,11 @@ class SlabKVManager(SeqTable):
     def usage(self) -> KVUsage:
         """Memory now, split into token state and the three kinds of waste (module doc).
 
-        O(live sequences + request records + free runs + waiting requests). Mutates nothing."""
-        token_slots = 0
-        will_use_slots = 0
-        for seq in self._seqs.values():
-            token_slots += seq.num_tokens
-            will_use_slots += max(seq.num_tokens, seq.group.will_use)
-        for group in self._groups.values():
-            will_use_slots += len(group.spares) * group.will_use
+        O(log num_blocks): running totals and the waiting-region multiset. Mutates nothing."""
         bpt = self.bytes_per_token
         allocated = self._num_reserved_blocks * self.bytes_per_block
-        token_bytes = token_slots * bpt
-        reserved_unused = (will_use_slots - token_slots) * bpt
+        token_bytes = self._num_token_slots * bpt
+        reserved_unused = (self._num_will_use_slots - self._num_token_slots) * bpt
         return KVUsage(
             capacity_bytes=self.num_blocks * self.bytes_per_block,
             allocated_bytes=allocated,
@@ -491,17 +693,25 @@ class SlabKVManager(SeqTable):
         )
 
     def smallest_waiting_region(self) -> int | None:
-        """Blocks of the smallest region any waiting request needs; None when none waits."""
-        if self._directory is None or not self._directory.waiting:
+        """Blocks of the smallest region any waiting request needs; None when none waits.
+
+        O(1) amortised. Raises RuntimeError when the directory's waiting list is no longer
+        the one ``bind`` installed (its changes would go unseen)."""
+        if self._directory is None:
             return None
-        return min(self.region_num_blocks(group.request) for group in self._directory.waiting)
+        if self._directory.waiting is not self._waiting:
+            raise RuntimeError(
+                "SlabKVManager: the directory replaced its waiting list after bind; "
+                "mutate it in place so the manager sees who waits"
+            )
+        return self._waiting_regions.min()
 
     def num_unusable_free_blocks(self) -> int:
         """Free blocks in runs too short for every waiting request (external fragmentation)."""
         need = self.smallest_waiting_region()
         if need is None:
             return 0
-        return sum(length for length in self.free_runs.lengths if length < need)
+        return self.free_runs.num_blocks_shorter_than(need)
 
     def check(self) -> None:
         """Raise AssertionError naming the first broken invariant. O(blocks)."""
@@ -547,6 +757,24 @@ class SlabKVManager(SeqTable):
             f"reserved {reserved} + free {runs.num_free_blocks} != {n}"
         )
         assert all(b is not None for b in owner), "a block is neither free nor reserved"
+        runs.check()
+        token_slots = sum(seq.num_tokens for seq in self._seqs.values())
+        will_use_slots = sum(max(seq.num_tokens, seq.group.will_use) for seq in self._seqs.values())
+        will_use_slots += sum(len(group.spares) * group.will_use for group in self._groups.values())
+        assert (self._num_token_slots, self._num_will_use_slots) == (token_slots, will_use_slots), (
+            f"(token, will-use) slots ({self._num_token_slots}, {self._num_will_use_slots}), "
+            f"recount ({token_slots}, {will_use_slots})"
+        )
+        if self._directory is not None:
+            assert self._directory.waiting is self._waiting, "the directory replaced its waiting list"
+            regions: dict[int, int] = {}
+            for group in self._directory.waiting:
+                region = self.region_num_blocks(group.request)
+                regions[region] = regions.get(region, 0) + 1
+            assert self._waiting_regions.counts == regions, (
+                f"waiting regions {self._waiting_regions.counts}, recount {regions}"
+            )
+            assert self._waiting_regions.min() == min(regions, default=None)
         destinations = set()
         for child, copies in self._pending_copies.items():
             assert child in self._seqs, f"pending copies for dead seq {child}"
@@ -573,7 +801,7 @@ class SlabKVManager(SeqTable):
         return 0 if group.has_forked else num_regions - 1
 
     def _place(self, num_blocks: int) -> int:
-        index = self.placement.choose(self.free_runs.lengths, num_blocks)
+        index = self.placement.choose(self.free_runs, num_blocks)
         assert index is not None, "placement found no run although can_allocate said one fits"
         self._num_reserved_blocks += num_blocks
         return self.free_runs.take(index, num_blocks)
@@ -581,6 +809,26 @@ class SlabKVManager(SeqTable):
     def _release(self, start: int, num_blocks: int) -> None:
         self.free_runs.release(start, num_blocks)
         self._num_reserved_blocks -= num_blocks
+
+    def _count_slots(self, seq: _SlabSeq, sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) ``seq``'s slots in the usage totals."""
+        self._num_token_slots += sign * seq.num_tokens
+        self._num_will_use_slots += sign * max(seq.num_tokens, seq.group.will_use)
+
+    def _add_spare(self, group: _Group, start: int) -> None:
+        group.spares.append(start)
+        self._num_will_use_slots += group.will_use
+
+    def _take_spare(self, group: _Group) -> int:
+        """The group's first spare region (its start), no longer counted as a spare."""
+        self._num_will_use_slots -= group.will_use
+        return group.spares.pop(0)
+
+    def _waiting_entered(self, group: SequenceGroup) -> None:
+        self._waiting_regions.add(self.region_num_blocks(group.request))
+
+    def _waiting_left(self, group: SequenceGroup) -> None:
+        self._waiting_regions.remove(self.region_num_blocks(group.request))
 
     def _flush(self) -> KVOps:
         """Hand out queued fork copies (one KVOps: sources and destinations are disjoint)."""

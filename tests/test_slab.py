@@ -9,7 +9,9 @@ mode at paper scale (Llama-3-70B on an H100's KV pool).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import random
 from pathlib import Path
 
 import pandas as pd
@@ -475,3 +477,160 @@ def test_seed_claims_slab_experiment_sweeps_the_engine_under_the_sim_wrapper(tmp
     fraction = runs["kv_token_fraction_mean"]
     assert fraction["slab"] < fraction["slab_request"] < fraction["paged"]
     assert runs.loc["slab", "peak_num_running"] == 2  # 1,083 blocks hold two 8K regions
+
+
+# --------------------------------------------------------------------------- scale (issue 17)
+@settings(max_examples=80, deadline=None)
+@given(
+    num_blocks=st.integers(1, 40),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 1000), st.integers(1, 12)), max_size=40),
+)
+def test_free_run_indexes_agree_with_a_scan(num_blocks, ops):
+    """Best fit, first fit, "k regions fit" and blocks in short runs, from the size index
+    and the Fenwick tree, equal a scan of the address-ordered runs after any sequence of
+    takes and releases."""
+    runs = FreeRuns(num_blocks)
+    reserved: list[tuple[int, int]] = []
+    for is_take, pick, size in ops:
+        if is_take and runs.starts:
+            index = pick % len(runs.starts)
+            size = min(size, runs.lengths[index])
+            reserved.append((runs.take(index, size), size))
+        elif reserved:
+            runs.release(*reserved.pop(pick % len(reserved)))
+        runs.check()
+        pairs = list(zip(runs.starts, runs.lengths))
+        for n in range(1, num_blocks + 2):
+            fitting = [(length, i) for i, (_, length) in enumerate(pairs) if length >= n]
+            assert runs.lowest_fitting(n) == (fitting[0][1] if fitting else None)
+            assert runs.shortest_fitting(n) == (min(fitting)[1] if fitting else None)
+            assert runs.num_blocks_shorter_than(n) == sum(length for _, length in pairs if length < n)
+            for count in range(4):
+                assert runs.fits(n, count) == (runs.num_fits(n) >= count)
+    assert runs.num_free_blocks + sum(size for _, size in reserved) == num_blocks
+
+
+def test_waiting_queue_reports_every_change():
+    """Each mutating list method keeps the manager's waiting-region multiset equal to the
+    list's contents (check() recounts it), as insort/pop from the scheduler do."""
+    kv, directory = manager(64, 4)
+    groups = [directory.groups[directory.new(req(f"w{i}", 4 * i + 1, 3))] for i in range(8)]
+    waiting = directory.waiting
+    waiting.append(groups[5])
+    bisect.insort(waiting, groups[1], key=lambda g: g.arrival_index)  # calls insert on a subclass
+    waiting.extend(groups[6:8])
+    waiting += [groups[2]]
+    assert [g.request_id for g in waiting] == ["w1", "w5", "w6", "w7", "w2"]
+    assert kv.smallest_waiting_region() == 2  # w1: 5 + 3 tokens in blocks of 4
+    kv.check()
+    waiting.pop(0)
+    waiting.remove(groups[7])
+    waiting[0] = groups[3]
+    waiting[1:2] = [groups[4], groups[0]]
+    kv.check()
+    del waiting[-1]
+    del waiting[:1]
+    waiting *= 2
+    kv.check()
+    assert [g.request_id for g in waiting] == ["w4", "w0", "w4", "w0"]
+    assert kv.smallest_waiting_region() == kv.region_num_blocks(groups[0].request)
+    waiting.clear()
+    assert kv.smallest_waiting_region() is None
+    kv.check()
+    directory.waiting = []  # a replaced list would go unseen: refused, not miscounted
+    with pytest.raises(RuntimeError, match="replaced its waiting list"):
+        kv.usage()
+
+
+class CountingReservation(RequestReservation):
+    """The per-request reservation, counting how often a request's size is computed."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def num_tokens(self, request: Request) -> int:
+        self.num_calls += 1
+        return super().num_tokens(request)
+
+
+def test_usage_does_not_scan_the_waiting_queue():
+    """usage() costs the same with 3,000 waiting requests as with none: it never touches
+    a waiting group (the scan made long simulated traces quadratic)."""
+    reservation = CountingReservation()
+    kv, directory = manager(4096, 16, reservation=reservation)
+    running = [start(kv, directory, req(f"r{i}", 40 + i, 8)) for i in range(5)]
+    kv.free(running[1])
+    kv.free(running[3])  # holes of 4 blocks, far smaller than any waiting region
+    for i in range(3000):
+        seq_id = directory.new(req(f"w{i}", 5000 - i, 10))
+        directory.waiting.append(directory.groups[seq_id])
+    calls = reservation.num_calls
+    usages = [kv.usage() for _ in range(1000)]
+    assert reservation.num_calls == calls
+    need = kv.smallest_waiting_region()
+    assert need == -(-(2001 + 10) // 16)
+    holes = [length for length in kv.free_runs.lengths if length < need]
+    assert usages[-1].external_frag_bytes == sum(holes) * 16 * BPT > 0
+
+
+def test_sim_figures_match_the_scanning_implementation():
+    """Samples, beams and single requests queueing for a fragmented arena in simulation:
+    figures recorded with the implementation that recounted usage and scanned the
+    waiting queue every step (before issue 17); any change in placement, admission or
+    waste accounting moves them."""
+    figures = {}
+    for reserve, placement, num_blocks, block_size in PINNED_SIM_CONFIGS:
+        engine = simulated_engine(
+            QUEUEING_CTX, engine=SlabEngine, reserve=reserve, placement=placement, num_blocks=num_blocks,
+            block_size=block_size, max_num_seqs=8,
+        )  # fmt: skip
+        figures[(reserve, placement)] = sim_figures(replay(engine, queueing_mix(), SimClock()).steps)
+    assert figures == PINNED_SIM_FIGURES
+
+
+QUEUEING_CTX = EngineContext(
+    ModelSpec(vocab_size=64, max_position_embeddings=256), HardwareSpec(), None, "cpu", "fp32", 0, "sim"
+)
+# (reserve, placement, num_blocks, block_size) -> (steps, peak waiting, and the sums over
+# steps of allocated, external fragmentation, reserved-unused, internal fragmentation and
+# token bytes)
+PINNED_SIM_CONFIGS = [
+    ("request", "first_fit", 24, 16),
+    ("request", "best_fit", 24, 16),
+    ("max_len", "best_fit", 46, 8),
+]
+PINNED_SIM_FIGURES = {
+    ("request", "first_fit"): (383, 48, 207585280, 1048576, 36548608, 27076608, 143960064),
+    ("request", "best_fit"): (387, 48, 207585280, 950272, 36548608, 27076608, 143960064),
+    ("max_len", "best_fit"): (432, 23, 225443840, 92667904, 8413184, 180578304, 36452352),
+}
+
+
+def sim_figures(steps: pd.DataFrame) -> tuple[int, ...]:
+    return (
+        len(steps),
+        int(steps["num_waiting"].max()),
+        *(
+            int(steps[f"kv_{name}_bytes"].sum())
+            for name in ("allocated", "external_frag", "reserved_unused", "internal_frag", "token")
+        ),
+    )
+
+
+def queueing_mix() -> Workload:
+    """60 requests within 50 ms (a quarter parallel samples, a quarter beams), prompts of
+    1-60 tokens, 1-30 new tokens, seeded."""
+    rng = random.Random(2)
+    requests = []
+    for i in range(60):
+        kind = rng.choice(["single", "single", "n", "beam"])
+        extra = (
+            {"n": rng.randint(2, 3), "temperature": 1.0}
+            if kind == "n"
+            else {"beam_width": rng.randint(2, 3)}
+            if kind == "beam"
+            else {}
+        )
+        prompt = tuple(rng.randrange(3, 64) for _ in range(rng.randint(1, 60)))
+        requests.append(Request(f"r{i}", rng.uniform(0, 0.05), prompt, rng.randint(1, 30), **extra))
+    return Workload("mix", tuple(requests))
