@@ -104,6 +104,76 @@ def _memory_docs() -> list[MetricDoc]:
     ]
 
 
+# From a live server's scraped /metrics (server_metrics.parquet, kvbench.server_metrics):
+# counters as this run's deltas (last good scrape - the baseline taken before the first
+# request), gauges over the run's scrapes.
+SERVER_METRICS: tuple[MetricDoc, ...] = (
+    MetricDoc(
+        "server_prefix_query_tokens",
+        "tokens",
+        "",
+        "live server: prompt tokens it looked up in its prefix cache during the run (vLLM "
+        "vllm:prefix_cache_queries_total, last - first scrape)",
+    ),
+    MetricDoc(
+        "server_prefix_hit_tokens",
+        "tokens",
+        "higher",
+        "live server: of those, tokens found cached (vLLM vllm:prefix_cache_hits_total, last - first scrape)",
+    ),
+    MetricDoc(
+        "server_prefix_hit_rate",
+        "fraction",
+        "higher",
+        "live server: server_prefix_hit_tokens / server_prefix_query_tokens",
+    ),
+    MetricDoc(
+        "server_num_preemptions",
+        "count",
+        "lower",
+        "live server: preemptions during the run (vLLM vllm:num_preemptions_total, last - first scrape)",
+    ),
+    MetricDoc(
+        "server_kv_usage_peak",
+        "fraction",
+        "",
+        "live server: maximum scraped KV pool usage (vLLM vllm:kv_cache_usage_perc, SGLang "
+        "sglang:token_usage, llama.cpp llamacpp:kv_cache_usage_ratio; 0..1)",
+    ),
+    MetricDoc(
+        "server_kv_usage_mean",
+        "fraction",
+        "",
+        "live server: time-weighted mean of the scraped KV pool usage (each scrape's value held "
+        "until the next scrape)",
+    ),
+    MetricDoc(
+        "server_num_running_peak",
+        "count",
+        "higher",
+        "live server: maximum scraped number of running requests",
+    ),
+    MetricDoc(
+        "server_num_waiting_peak",
+        "count",
+        "lower",
+        "live server: maximum scraped number of queued (waiting) requests",
+    ),
+    MetricDoc(
+        "server_num_counter_resets",
+        "count",
+        "lower",
+        "live server: scrapes at which a cumulative counter fell (the server restarted); the "
+        "counter deltas above are then NaN",
+    ),
+    MetricDoc(
+        "server_num_scrape_errors",
+        "count",
+        "lower",
+        "live server: scrapes of /metrics that failed (unreachable, HTTP error, not Prometheus text)",
+    ),
+)
+
 METRICS: tuple[MetricDoc, ...] = (
     MetricDoc("num_requests", "count", "", "requests in the workload"),
     MetricDoc("num_completed", "count", "higher", "requests that finished (not rejected, finite finish_s)"),
@@ -273,6 +343,7 @@ METRICS: tuple[MetricDoc, ...] = (
         "sum of (weight_bytes + kv_token_bytes) over decode-only steps / sum of their durations / 1e9",
     ),
     *_memory_docs(),
+    *SERVER_METRICS,
 )
 
 METRICS_BY_NAME: dict[str, MetricDoc] = {doc.name: doc for doc in METRICS}
@@ -354,6 +425,7 @@ def summarize_run(
     memory: pd.DataFrame | None = None,
     torch_peaks: Mapping[str, float] | None = None,
     workload_requests: Sequence[Request] | None = None,
+    server_metrics: pd.DataFrame | None = None,
 ) -> Summary:
     """Every metric in METRICS for one run, with a reason for each NaN.
 
@@ -364,7 +436,9 @@ def summarize_run(
     (reasons the runner already knows, e.g. why NVML columns are NaN).
     ``workload_requests`` are the requests the run replayed (``Workload.requests``, after
     every cap and scale): their prompt token ids give ``prefix_reuse_upper_bound``, NaN
-    without them. Mutates nothing; raises MetricsError naming the frame and column when a
+    without them. ``server_metrics`` is a live server's scrape frame
+    (``ServerMetricsScraper.frame()``) for the ``server_*`` metrics; None: not a live
+    server run, and they are NaN. Mutates nothing; raises MetricsError naming the frame and column when a
     required column is absent, or naming a completed request absent from
     ``workload_requests``.
     """
@@ -379,6 +453,9 @@ def summarize_run(
     _sharing_metric(requests, out, missing)
     _roofline_metrics(steps, meta, out, missing)
     _memory_metrics(memory, meta, out, missing)
+    server = server_summary(server_metrics, meta.get("missing"))
+    out.update(server.metrics)
+    missing.update(server.missing)
     for col, peak in (torch_peaks or {}).items():
         name = f"mem_peak_{col}"
         if peak == peak and (name not in out or not out[name] >= peak):
@@ -789,3 +866,102 @@ def _memory_metrics(
             out[name] = float(values.max())
         else:
             missing[name] = known.get(col) or known.get(name) or "not sampled in this run"
+
+
+# Live-server summary metric -> the column of the scrape frame (kvbench.server_metrics) it comes from.
+_SERVER_DELTAS: dict[str, str] = {
+    "server_prefix_query_tokens": "prefix_query_tokens_total",
+    "server_prefix_hit_tokens": "prefix_hit_tokens_total",
+    "server_num_preemptions": "num_preemptions_total",
+}
+_SERVER_PEAKS: dict[str, str] = {
+    "server_kv_usage_peak": "kv_usage_fraction",
+    "server_num_running_peak": "num_running",
+    "server_num_waiting_peak": "num_waiting",
+}
+
+
+def server_summary(server: pd.DataFrame | None, known_missing: Mapping[str, str] | None = None) -> Summary:
+    """The ``server_*`` metrics (SERVER_METRICS) of one run's scrape frame
+    (``ServerMetricsScraper.frame()``: the first good row is the baseline scrape taken
+    before any request); NaN ones have a reason. ``known_missing``: column -> why the
+    server does not report it (``ServerMetricsScraper.missing()``).
+
+    Counters are cumulative since the server started, so this run's count is last - first
+    good scrape. A counter that falls between good scrapes was reset (the server
+    restarted): its delta is NaN with the reason, never negative, and the fall is counted
+    in ``server_num_counter_resets``. None: not a live server run, every metric NaN. Pure.
+    """
+    out: dict[str, float] = {}
+    missing: dict[str, str] = {}
+    names = [doc.name for doc in SERVER_METRICS]
+    if server is None:
+        for name in names:
+            missing[name] = "not a live server run (no server metrics were scraped)"
+        return Summary(out, missing)
+    known = known_missing or {}
+    errors = server["error"].fillna("").astype(str) if "error" in server else pd.Series("", server.index)
+    out["server_num_scrape_errors"] = float((errors != "").sum())
+    good = server[(errors == "").to_numpy()].sort_values("t_s")
+    if len(good) == 0:
+        reason = "no scrape of the server's /metrics succeeded"
+        if len(server):
+            reason += f" (first error: {errors[errors != ''].iloc[0]})"
+        for name in names:
+            if name != "server_num_scrape_errors":
+                missing[name] = reason
+        return Summary(out, missing)
+    t_s = good["t_s"].to_numpy(dtype=float)
+
+    def absent(column: str) -> str:
+        return known.get(column) or f"the server's /metrics did not report {column}"
+
+    resets = np.zeros(len(good), dtype=bool)  # per good scrape: some counter fell since the previous one
+    for name, column in _SERVER_DELTAS.items():
+        values = good[column].to_numpy(dtype=float) if column in good else np.array([])
+        rows = np.flatnonzero(np.isfinite(values))
+        if len(rows) == 0:
+            missing[name] = absent(column)
+            continue
+        falls = rows[1:][np.diff(values[rows]) < 0]  # rows whose value is below the previous reading
+        resets[falls] = True
+        if len(falls):
+            before = rows[np.searchsorted(rows, falls[0]) - 1]
+            missing[name] = (
+                f"{column} fell from {values[before]:g} to {values[falls[0]]:g} at t_s={t_s[falls[0]]:.3f}: "
+                "the server restarted during the run (counter reset), so this run's count is unknown"
+            )
+        else:
+            out[name] = float(values[rows[-1]] - values[rows[0]])
+    out["server_num_counter_resets"] = float(resets.sum())
+    queries, hits = out.get("server_prefix_query_tokens"), out.get("server_prefix_hit_tokens")
+    if queries is None or hits is None:
+        missing["server_prefix_hit_rate"] = (
+            missing.get("server_prefix_query_tokens") or missing["server_prefix_hit_tokens"]
+        )
+    elif queries > 0:
+        out["server_prefix_hit_rate"] = hits / queries
+    else:
+        missing["server_prefix_hit_rate"] = "the server made no prefix-cache lookups during the run"
+    for name, column in _SERVER_PEAKS.items():
+        values = good[column].to_numpy(dtype=float) if column in good else np.array([])
+        if np.isfinite(values).any():
+            out[name] = float(np.nanmax(values))
+        else:
+            missing[name] = absent(column)
+    usage = good["kv_usage_fraction"].to_numpy(dtype=float) if "kv_usage_fraction" in good else np.array([])
+    keep = np.isfinite(usage)
+    if keep.any():
+        out["server_kv_usage_mean"] = _held_mean(t_s[keep], usage[keep])
+    else:
+        missing["server_kv_usage_mean"] = absent("kv_usage_fraction")
+    return Summary(out, missing)
+
+
+def _held_mean(t_s: np.ndarray, values: np.ndarray) -> float:
+    """Time-weighted mean of samples each held until the next one (the last has no weight);
+    the plain mean when all samples share one time."""
+    dt = np.diff(t_s)
+    if len(values) < 2 or not dt.sum() > 0:
+        return float(values.mean())
+    return float(np.average(values[:-1], weights=dt))

@@ -9,6 +9,10 @@ Runs are labelled by the config columns that vary across the sweep (``engine``,
 ``engine.block_size``, ``model.name``...), so the same code reads well for every
 experiment: engines side by side, block sizes, prefix-cache workloads, budgets.
 
+Runs against a live server (``server_metrics.parquet``) add the server's scraped KV usage
+and queue over time above each request's latencies, and each request's latency against
+the prompt tokens the server reported cached for it.
+
 Every string from the results (metric names, labels, config values, errors, paths) goes
 through ``html_page.escape``, plot labels included, and the page is written by
 ``html_page.write_page``: named after the results directory given, and never over a file
@@ -59,6 +63,11 @@ SUMMARY_METRICS: tuple[str, ...] = (
     "kv_sharing_saved_fraction",
     "num_preemptions",
     "decode_roofline_fraction_mean",
+    # Live-server runs: what the server itself reported (kvbench.server_metrics).
+    "server_prefix_hit_rate",
+    "server_num_preemptions",
+    "server_kv_usage_peak",
+    "server_num_waiting_peak",
 )
 MAX_POINTS_PER_LINE = 2000  # time series are thinned so a long run does not bloat the page
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
@@ -395,10 +404,129 @@ def _process_memory(res: Results, ok: pd.DataFrame) -> go.Figure | None:
     return fig
 
 
+def _server_timeline(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    """Live servers: scraped KV usage and queue over time above each request's latencies,
+    on one time axis (the runner's clock: both start at the run's start)."""
+    server = res.server_metrics
+    if server.empty:
+        return None
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.06,
+        subplot_titles=(
+            "server KV usage (fraction of its pool)",
+            "server requests: running (solid), waiting (dashed)",
+            "requests at their arrival: TTFT (circles), E2E latency (crosses), ms",
+        ),
+    )
+    for i, (_, run) in enumerate(ok.iterrows()):
+        scrapes = server[server["run_id"] == run["run_id"]]
+        if scrapes.empty:
+            continue
+        stride = max(1, math.ceil(len(scrapes) / MAX_POINTS_PER_LINE))
+        scrapes = scrapes.iloc[::stride]
+        color, label = _color(i), run["label"]
+        group = {"legendgroup": label, "line": {"color": color}}
+        fig.add_trace(
+            go.Scatter(x=scrapes["t_s"], y=scrapes["kv_usage_fraction"], name=label, **group), row=1, col=1
+        )
+        for column, dash in (("num_running", "solid"), ("num_waiting", "dash")):
+            fig.add_trace(
+                go.Scatter(
+                    x=scrapes["t_s"],
+                    y=scrapes[column],
+                    name=f"{label} {column}",
+                    showlegend=False,
+                    line_shape="hv",
+                    legendgroup=label,
+                    line={"color": color, "dash": dash},
+                ),
+                row=2,
+                col=1,
+            )
+        requests = res.requests[res.requests["run_id"] == run["run_id"]]
+        if requests.empty:
+            continue
+        latencies = metrics.per_request(requests)
+        hover = _request_hover(requests)
+        for column, symbol in (("ttft_ms", "circle"), ("e2el_ms", "x")):
+            fig.add_trace(
+                go.Scatter(
+                    x=requests["arrival_s"],
+                    y=latencies[column],
+                    mode="markers",
+                    marker={"color": color, "symbol": symbol, "size": 6},
+                    text=hover,
+                    name=f"{label} {column}",
+                    showlegend=False,
+                    legendgroup=label,
+                ),
+                row=3,
+                col=1,
+            )
+    if not fig.data:
+        return None
+    fig.update_yaxes(range=[0, 1], row=1, col=1)
+    fig.update_xaxes(title_text="time since start (s)", row=3, col=1)
+    fig.update_layout(height=720, margin={"t": 40})
+    return fig
+
+
+def _cached_tokens_latency(res: Results, ok: pd.DataFrame) -> go.Figure | None:
+    """Live-server sweeps: each request's TTFT and E2E latency against the prompt tokens the
+    server reported cached for it (``num_cached_tokens``)."""
+    if res.server_metrics.empty or "num_cached_tokens" not in res.requests:
+        return None
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT (ms)", "E2E latency (ms)"))
+    for i, (_, run) in enumerate(ok.iterrows()):
+        requests = res.requests[res.requests["run_id"] == run["run_id"]]
+        cached = requests["num_cached_tokens"].to_numpy(dtype=float)
+        if not np.isfinite(cached).any():
+            continue
+        latencies = metrics.per_request(requests)
+        hover = _request_hover(requests)
+        for col, column in enumerate(("ttft_ms", "e2el_ms"), start=1):
+            fig.add_trace(
+                go.Scatter(
+                    x=cached,
+                    y=latencies[column],
+                    mode="markers",
+                    marker={"color": _color(i), "size": 6},
+                    text=hover,
+                    name=run["label"],
+                    legendgroup=run["label"],
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
+    if not fig.data:
+        return None
+    fig.update_xaxes(title_text="cached prompt tokens")
+    fig.update_layout(height=420, margin={"t": 40})
+    return fig
+
+
+def _request_hover(requests: pd.DataFrame) -> list[str]:
+    """Per request: its id, prompt tokens and cached tokens as plot hover text (escaped)."""
+    if "num_cached_tokens" in requests:
+        cached = requests["num_cached_tokens"]
+    else:
+        cached = pd.Series(math.nan, index=requests.index)
+    return [
+        escape(f"request {rid}: {_fmt('tokens', n)} prompt tokens, {_fmt('tokens', hit)} cached")
+        for rid, n, hit in zip(requests["request_id"], requests["num_prompt_tokens"], cached)
+    ]
+
+
 PlotBuilder = Callable[[Results, pd.DataFrame], "go.Figure | None"]
 PLOTS: tuple[tuple[str, PlotBuilder], ...] = (
     ("Throughput and time per output token", _throughput_latency),
     ("Latency distributions (CDF over completed requests)", _latency_cdfs),
+    ("Live server: KV usage and queue over time, beside the request latencies", _server_timeline),
+    ("Live server: request latency against cached prompt tokens", _cached_tokens_latency),
     ("KV memory over time (dotted: token state, click the legend)", _kv_over_time),
     ("Where the KV memory goes (PagedAttention Fig. 2 split)", _waste),
     ("Concurrency reached under the KV budget", _concurrency),

@@ -5,6 +5,8 @@ Layout of ``results/<sweep>/<run>/``::
     requests.parquet   one row per request (token_times_s stays a list column)
     steps.parquet      one row per engine step
     memory.parquet     memory samples (may have no rows)
+    server_metrics.parquet  live-server runs only: the scraped /metrics timeline
+    server.log         live-server runs only: the launched server's output
     config.yaml        the resolved config the run was made from
     run.json           {"meta": ..., "summary": ..., "missing": ...}; written last
     .kvbench-run       marker: kvbench wrote this directory (see below)
@@ -59,6 +61,11 @@ import pyarrow.parquet as pq
 
 RUN_FILE = "run.json"
 FRAME_NAMES: tuple[str, ...] = ("requests", "steps", "memory")
+# Frames only some runs have (``write_run(extra_frames=...)``); ``load`` gives each as a
+# Results field of the same name, an empty frame when no run has it.
+EXTRA_FRAME_NAMES: tuple[str, ...] = ("server_metrics",)
+# Files copied into a run directory as they are (``write_run(attachments=...)``).
+ATTACHMENT_NAMES: tuple[str, ...] = ("server.log",)
 RUN_MARKER = ".kvbench-run"
 RUN_MARKER_TEXT = (
     "kvbench run directory, written by kvbench (kvbench.results.write_run).\n"
@@ -67,7 +74,13 @@ RUN_MARKER_TEXT = (
 )
 # Every name kvbench writes into a run directory; a directory holding anything else is not replaced.
 RUN_DIR_FILES: frozenset[str] = frozenset(
-    {RUN_FILE, "config.yaml", RUN_MARKER, *(f"{name}.parquet" for name in FRAME_NAMES)}
+    {
+        RUN_FILE,
+        "config.yaml",
+        RUN_MARKER,
+        *(f"{name}.parquet" for name in (*FRAME_NAMES, *EXTRA_FRAME_NAMES)),
+        *ATTACHMENT_NAMES,
+    }
 )
 SWEEP_MARKER = ".kvbench-sweep"
 SWEEP_MARKER_TEXT = (
@@ -85,6 +98,7 @@ FLATTENED_META: dict[str, str] = {
     "workload_params": "workload_params",
     "environment": "env",
     "missing": "missing",
+    "server": "server",  # a live server's reported KV cache configuration (server_facts)
 }
 
 
@@ -108,7 +122,8 @@ class Results:
 
     ``runs``: one row per run, meta flattened (``engine.block_size``, ``model.name``,
     ``env.git_revision``...) plus every summary metric as a column. ``configs`` maps
-    run_id to the run's config.yaml text.
+    run_id to the run's config.yaml text. ``server_metrics``: the scraped timeline of
+    live-server runs (``kvbench.server_metrics``), empty when no run has one.
     """
 
     runs: pd.DataFrame
@@ -116,6 +131,7 @@ class Results:
     steps: pd.DataFrame
     memory: pd.DataFrame
     configs: dict[str, str] = field(default_factory=dict)
+    server_metrics: pd.DataFrame = field(default_factory=lambda: _concat([]))
 
 
 # --------------------------------------------------------------------------- writing
@@ -128,13 +144,19 @@ def write_run(
     config_yaml: str,
     summary: Mapping[str, float],
     missing: Mapping[str, str] | None = None,
+    extra_frames: Mapping[str, pd.DataFrame] | None = None,
+    attachments: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> Path:
     """Write one completed run to ``run_dir`` atomically and return its path.
 
     ``missing`` gives reasons for NaN summary values (``metrics.Summary.missing``); it is
-    merged over ``meta["missing"]``. Replaces an existing run directory of the same name
-    (a failed or stale run) only once the new one is fully written. Raises ResultsError
-    when meta is not JSON-serialisable; frames are not modified.
+    merged over ``meta["missing"]``. ``extra_frames`` (name in EXTRA_FRAME_NAMES -> frame)
+    are written as ``<name>.parquet``; ``attachments`` (name in ATTACHMENT_NAMES -> source
+    file) are copied in under that name, with the rest of the run. Replaces an existing
+    run directory of the same name (a failed or stale run) only once the new one is fully
+    written. Raises ResultsError when meta is not JSON-serialisable, ResultsWriteError
+    naming the key for an unknown extra frame or attachment name and naming the source
+    when an attachment cannot be copied; frames are not modified.
     """
     run_dir = Path(run_dir)
     reasons = {**(meta.get("missing") or {}), **(missing or {})}
@@ -143,8 +165,8 @@ def write_run(
         "summary": {k: _json_number(v) for k, v in summary.items()},
         "missing": {k: str(v) for k, v in reasons.items()},
     }
-    frames = {"requests": requests, "steps": steps, "memory": memory}
-    return _write_atomically(run_dir, record, frames, config_yaml)
+    frames = {"requests": requests, "steps": steps, "memory": memory, **_extra(extra_frames)}
+    return _write_atomically(run_dir, record, frames, config_yaml, _attachments(attachments))
 
 
 def write_failed_run(
@@ -152,13 +174,43 @@ def write_failed_run(
     meta: Mapping[str, Any],
     error: str,
     config_yaml: str = "",
+    extra_frames: Mapping[str, pd.DataFrame] | None = None,
+    attachments: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> Path:
-    """Record a run that raised: ``run.json`` with status "failed" and ``error``, no frames.
+    """Record a run that raised: ``run.json`` with status "failed" and ``error``, none of
+    the main frames; what was collected before the failure (``extra_frames``, e.g. the
+    server metrics of a server that died) and ``attachments`` (its log) are kept as in
+    ``write_run``.
 
     Atomic like ``write_run``; a failed run is never ``is_complete``, so resume retries it.
     """
     record = {"meta": {**meta, "status": "failed", "error": str(error)}, "summary": {}, "missing": {}}
-    return _write_atomically(Path(run_dir), record, {}, config_yaml)
+    return _write_atomically(
+        Path(run_dir), record, _extra(extra_frames), config_yaml, _attachments(attachments)
+    )
+
+
+def _extra(extra_frames: Mapping[str, pd.DataFrame] | None) -> dict[str, pd.DataFrame]:
+    """``extra_frames`` checked against EXTRA_FRAME_NAMES (a run directory holding any
+    other name would no longer be recognised as kvbench's, so reruns could not replace it)."""
+    extra = dict(extra_frames or {})
+    unknown = sorted(set(extra) - set(EXTRA_FRAME_NAMES))
+    if unknown:
+        raise ResultsWriteError(
+            f"extra_frames: {unknown} not among the frames a run directory holds {list(EXTRA_FRAME_NAMES)}"
+        )
+    return extra
+
+
+def _attachments(attachments: Mapping[str, str | os.PathLike[str]] | None) -> dict[str, Path]:
+    """``attachments`` checked against ATTACHMENT_NAMES (as ``_extra``), sources as Paths."""
+    files = {name: Path(source) for name, source in (attachments or {}).items()}
+    unknown = sorted(set(files) - set(ATTACHMENT_NAMES))
+    if unknown:
+        raise ResultsWriteError(
+            f"attachments: {unknown} not among the files a run directory holds {list(ATTACHMENT_NAMES)}"
+        )
+    return files
 
 
 def _json_number(value: Any) -> float | None:
@@ -167,7 +219,11 @@ def _json_number(value: Any) -> float | None:
 
 
 def _write_atomically(
-    run_dir: Path, record: dict[str, Any], frames: Mapping[str, pd.DataFrame], config_yaml: str
+    run_dir: Path,
+    record: dict[str, Any],
+    frames: Mapping[str, pd.DataFrame],
+    config_yaml: str,
+    attachments: Mapping[str, Path],
 ) -> Path:
     try:
         record_text = json.dumps(record, indent=2, sort_keys=True, allow_nan=False, default=_json_default)
@@ -181,6 +237,13 @@ def _write_atomically(
         for name, frame in frames.items():
             with _writing(run_dir / f"{name}.parquet"):
                 _parquet_safe(frame).to_parquet(tmp / f"{name}.parquet", index=False)
+        for name, source in attachments.items():
+            try:
+                shutil.copyfile(source, tmp / name)
+            except OSError as exc:
+                raise ResultsWriteError(
+                    f"{run_dir / name}: cannot copy {source}: {_os_reason(exc, source)}"
+                ) from exc
         with _writing(run_dir / "config.yaml"):
             (tmp / "config.yaml").write_text(config_yaml)
         with _writing(run_dir / RUN_MARKER):
@@ -578,7 +641,8 @@ def load(path: str | os.PathLike[str]) -> Results:
     """Load one run directory or every run under a sweep directory.
 
     Frames of several runs are concatenated with a leading ``run_id`` column; failed runs
-    appear in ``runs`` (status "failed", error) with no rows elsewhere. Reads only.
+    appear in ``runs`` (status "failed", error) with no rows in the main frames (extra
+    frames keep what was collected before the failure). Reads only.
     Raises ResultsError when ``path`` holds no run or a file is unreadable.
     """
     path = Path(path)
@@ -586,7 +650,7 @@ def load(path: str | os.PathLike[str]) -> Results:
     if not run_dirs:
         raise ResultsError(f"{path}: no kvbench runs found (no {RUN_FILE} at or below it)")
     rows, configs = [], {}
-    frames: dict[str, list[pd.DataFrame]] = {name: [] for name in FRAME_NAMES}
+    frames: dict[str, list[pd.DataFrame]] = {name: [] for name in (*FRAME_NAMES, *EXTRA_FRAME_NAMES)}
     for run_dir in run_dirs:
         record = read_record(run_dir)
         row = run_row(record)
@@ -596,7 +660,7 @@ def load(path: str | os.PathLike[str]) -> Results:
         rows.append(row)
         config_path = run_dir / "config.yaml"
         configs[run_id] = config_path.read_text() if config_path.is_file() else ""
-        for name in FRAME_NAMES:
+        for name in frames:
             file = run_dir / f"{name}.parquet"
             if file.is_file():
                 frames[name].append(_read_frame(file, run_id))
@@ -608,6 +672,7 @@ def load(path: str | os.PathLike[str]) -> Results:
         steps=_concat(frames["steps"]),
         memory=_concat(frames["memory"]),
         configs=configs,
+        server_metrics=_concat(frames["server_metrics"]),
     )
 
 

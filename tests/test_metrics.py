@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from run_fixtures import exact_run
+from server_fixtures import server_frame
 
 from kvbench import metrics
 
@@ -117,9 +118,6 @@ def test_every_metric_present_and_every_nan_explained(exact):
     nan_names = {k for k, v in s.metrics.items() if math.isnan(v)}
     assert nan_names == set(s.missing)
     assert "no SLO" in s.missing["goodput_requests_per_s"]
-    assert metrics.summarize(requests, steps, meta, memory) == pytest.approx(
-        summary_of(requests, steps, meta, memory).metrics, nan_ok=True
-    )
 
 
 def test_rejected_only_run_has_no_latencies(exact):
@@ -157,9 +155,9 @@ def test_per_request_columns_and_no_mutation(exact):
 def test_missing_column_names_frame_and_column(exact):
     requests, steps, memory, meta = exact
     with pytest.raises(metrics.MetricsError, match=r"requests frame: missing column\(s\) \['finish_s'\]"):
-        metrics.summarize(requests.drop(columns="finish_s"), steps, meta)
+        metrics.summarize_run(requests.drop(columns="finish_s"), steps, meta)
     with pytest.raises(metrics.MetricsError, match="steps frame.*kv_token_bytes"):
-        metrics.summarize(requests, steps.drop(columns="kv_token_bytes"), meta)
+        metrics.summarize_run(requests, steps.drop(columns="kv_token_bytes"), meta)
 
 
 def test_markdown_table_lists_every_metric():
@@ -207,7 +205,7 @@ def test_constant_gaps_give_equal_tpot_and_itl(specs):
             assert row.itl_ms == pytest.approx([gap * 1e3] * (num_out - 1), rel=1e-6)
         else:
             assert math.isnan(row.tpot_ms)
-    m = metrics.summarize(pd.DataFrame(rows), pd.DataFrame(), {})
+    m = metrics.summarize_run(pd.DataFrame(rows), pd.DataFrame(), {}).metrics
     for kind in ("ttft", "e2el"):
         stats = [m[f"{kind}_ms_{s}"] for s in ("median", "p90", "p99")]
         assert stats == sorted(stats)
@@ -275,3 +273,102 @@ def test_reuse_bound_missing_reasons(exact):
     assert "no prefix lookups" in s.missing["prefix_hit_rate_first_admission"]
     with pytest.raises(metrics.MetricsError, match=r"\['r0'\] are not among the workload_requests"):
         metrics.summarize_run(requests, steps, meta, workload_requests=_replayed(requests)[:3])
+
+
+# --------------------------------------------------------------------------- live server
+SERVER_NAMES = [doc.name for doc in metrics.SERVER_METRICS]
+
+
+def test_server_counter_deltas_peaks_and_time_weighted_mean():
+    frame = server_frame(
+        [0.0, 1.0, 3.0, 4.0],
+        kv_usage_fraction=[0.2, 0.6, 1.0, 0.0],
+        num_running=[0, 3, 4, 0],
+        num_waiting=[0, 2, 5, 0],
+        prefix_query_tokens_total=[1000, 1200, 1400, 1500],  # 1000 before the run: not counted
+        prefix_hit_tokens_total=[200, 250, 400, 450],
+        num_preemptions_total=[3, 3, 5, 5],
+    )
+    s = metrics.server_summary(frame)
+    m = s.metrics
+    assert m["server_prefix_query_tokens"] == 500 and m["server_prefix_hit_tokens"] == 250
+    assert m["server_prefix_hit_rate"] == pytest.approx(0.5)
+    assert m["server_num_preemptions"] == 2
+    assert m["server_kv_usage_peak"] == 1.0
+    # each value held until the next scrape: (0.2*1 + 0.6*2 + 1.0*1) / 4 (plain mean 0.45, trapezoid 0.625)
+    assert m["server_kv_usage_mean"] == pytest.approx(0.6)
+    assert m["server_num_running_peak"] == 4 and m["server_num_waiting_peak"] == 5
+    assert m["server_num_counter_resets"] == 0 and m["server_num_scrape_errors"] == 0
+    assert set(m) == set(SERVER_NAMES) and s.missing == {}
+
+
+def test_server_counter_reset_is_reported_not_a_negative_delta():
+    frame = server_frame(
+        [0.0, 1.0, 2.0, 3.0],
+        prefix_query_tokens_total=[100, 300, 50, 80],  # restarted between t=1 and t=2
+        prefix_hit_tokens_total=[10, 30, 0, 5],
+        num_preemptions_total=[1, 1, 1, 1],
+        kv_usage_fraction=[0.0, 0.1, 0.0, 0.1],
+    )
+    s = metrics.server_summary(frame)
+    for name in ("server_prefix_query_tokens", "server_prefix_hit_tokens", "server_prefix_hit_rate"):
+        assert name not in s.metrics
+    assert (
+        "prefix_query_tokens_total fell from 300 to 50 at t_s=2.000"
+        in s.missing["server_prefix_query_tokens"]
+    )
+    assert "counter reset" in s.missing["server_prefix_hit_rate"]
+    assert s.metrics["server_num_counter_resets"] == 1  # one scrape, however many counters fell
+    assert s.metrics["server_num_preemptions"] == 0  # an unchanged counter is still a delta
+
+
+def test_server_failed_scrapes_are_skipped_and_counted():
+    frame = server_frame(
+        [0.0, 1.0, 2.0, 3.0],
+        errors=["", "", "ReadError: reset", "ConnectError: refused"],
+        prefix_query_tokens_total=[10, 40, math.nan, math.nan],
+        prefix_hit_tokens_total=[0, 8, math.nan, math.nan],
+        kv_usage_fraction=[0.5, 0.7, math.nan, math.nan],
+    )
+    s = metrics.server_summary(frame)
+    assert s.metrics["server_num_scrape_errors"] == 2
+    assert s.metrics["server_prefix_query_tokens"] == 30 and s.metrics["server_prefix_hit_tokens"] == 8
+    assert s.metrics["server_kv_usage_mean"] == pytest.approx(0.5)  # only the good scrapes
+    everything_failed = server_frame([0.0, 1.0], errors=["ConnectError: refused", "ConnectError: refused"])
+    s = metrics.server_summary(everything_failed)
+    assert s.metrics == {"server_num_scrape_errors": 2}
+    assert (
+        "no scrape of the server's /metrics succeeded (first error: ConnectError: refused)"
+        in (s.missing["server_kv_usage_peak"])
+    )
+
+
+def test_server_metrics_missing_reasons():
+    sglang = server_frame(
+        [0.0, 1.0],
+        kind="sglang",
+        kv_usage_fraction=[0.1, 0.3],
+        prefix_hit_rate=[0.2, 0.4],
+        num_running=[0, 2],
+    )
+    why = {"prefix_query_tokens_total": "SGLang reports a prefix hit-rate gauge"}
+    s = metrics.server_summary(sglang, why)
+    assert s.missing["server_prefix_query_tokens"] == why["prefix_query_tokens_total"]
+    assert s.missing["server_prefix_hit_rate"] == why["prefix_query_tokens_total"]
+    assert "did not report num_preemptions_total" in s.missing["server_num_preemptions"]
+    assert s.metrics["server_kv_usage_peak"] == pytest.approx(0.3)
+    idle = server_frame([0.0, 1.0], prefix_query_tokens_total=[5, 5], prefix_hit_tokens_total=[1, 1])
+    assert "no prefix-cache lookups" in metrics.server_summary(idle).missing["server_prefix_hit_rate"]
+
+
+def test_summarize_run_takes_the_server_frame(exact):
+    requests, steps, memory, meta = exact
+    plain = summary_of(requests, steps, meta, memory)
+    for name in SERVER_NAMES:
+        assert math.isnan(plain.metrics[name])
+        assert plain.missing[name] == "not a live server run (no server metrics were scraped)"
+    frame = server_frame([0.0, 0.5], prefix_query_tokens_total=[0, 35], prefix_hit_tokens_total=[0, 8])
+    live = metrics.summarize_run(requests, steps, meta, memory, server_metrics=frame)
+    assert live.metrics["server_prefix_hit_rate"] == pytest.approx(8 / 35)
+    assert live.metrics["ttft_ms_mean"] == plain.metrics["ttft_ms_mean"]  # the rest is unchanged
+    assert "not a live server run" not in live.missing.get("server_num_preemptions", "")

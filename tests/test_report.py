@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from chromium_render import find_chromium, render, run_chromium, unrendered_plots
 from plotly.offline import get_plotlyjs
-from run_fixtures import run_kvbench, synthetic_run, write_sweep, write_synthetic
+from run_fixtures import config_yaml, run_kvbench, synthetic_run, write_sweep, write_synthetic
+from server_fixtures import scraped_run, write_scraped_run
 
 from kvbench import metrics, report, results
 from kvbench.html_page import GENERATOR_META, PageOutputError, is_kvbench_page
@@ -218,3 +219,66 @@ def test_sweep_end_report_never_overwrites_a_user_file(tmp_path):
     assert f"{Path('reports') / 'planted.html'}: refusing to overwrite" in out.stderr
     assert planted.read_text() == "<p>the user's page</p>"
     assert list((tmp_path / "results" / "planted").glob("*/run.json"))  # the results are kept
+
+
+# --------------------------------------------------------------------------- live server
+SERVER_PLOTS = (
+    "Live server: KV usage and queue over time, beside the request latencies",
+    "Live server: request latency against cached prompt tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def live_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live")
+    sweep_dir = root / "live"
+    write_scraped_run(sweep_dir / "a", "a", seed=0)
+    # A request id with markup: it reaches the page only through the hover text.
+    requests, steps, memory, server, meta = scraped_run("b", seed=1)
+    requests = requests.assign(request_id=["<b>evil</b>", *requests["request_id"].iloc[1:]])
+    summary = metrics.summarize_run(requests, steps, meta, memory, server_metrics=server)
+    results.write_run(
+        sweep_dir / "b",
+        requests,
+        steps,
+        memory,
+        meta,
+        config_yaml(meta),
+        summary.metrics,
+        summary.missing,
+        extra_frames={"server_metrics": server},
+    )
+    write_synthetic(sweep_dir / "c", "c", "paged", 32)  # a run of kvbench's own engine beside them
+    out = report.build_report(sweep_dir, root / "live.html")
+    return out, out.read_text()
+
+
+def test_report_shows_the_server_timeline_and_cached_tokens(live_report):
+    _, page = live_report
+    for title in SERVER_PLOTS:
+        assert title in page
+    assert "server KV usage (fraction of its pool)" in page
+    header = re.search(r"<tr>(<th>.*?)</tr>", page).group(1)
+    for column in ("server_prefix_hit_rate", "server_kv_usage_peak", "server_num_preemptions"):
+        assert f"<th>{column}</th>" in header
+    # The engine run has no server metrics: its cells say why.
+    assert 'title="not a live server run (no server metrics were scraped)"' in page
+    ours = page.replace(get_plotlyjs(), "")  # plotly.js itself holds every kind of string
+    assert "<b>evil" not in ours and "request &lt;b&gt;evil&lt;" in ours
+
+
+def test_report_without_server_metrics_has_no_server_plots(sweep_report):
+    _, _, page = sweep_report
+    for title in SERVER_PLOTS:
+        assert title not in page
+    assert "<th>server_prefix_hit_rate</th>" not in page
+
+
+def test_live_report_renders_in_chromium(live_report, tmp_path):
+    binary = find_chromium()
+    page_path, page = live_report
+    ids = plot_ids(page)
+    dom, errors = render(binary, page_path, tmp_path)
+    assert errors == []
+    assert len(ids) >= 2 and unrendered_plots(dom, ids) == []
+    assert "<b>evil</b>" not in dom  # plotly drew the escaped hover text, not markup

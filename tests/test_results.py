@@ -8,6 +8,7 @@ import math
 import pandas as pd
 import pytest
 from run_fixtures import base_meta, exact_run, write_sweep
+from server_fixtures import scraped_run, server_frame, write_scraped_run
 
 from kvbench import metrics, results
 
@@ -171,3 +172,89 @@ def test_run_labels_name_what_varies():
     ]
     single = runs.iloc[:1]
     assert results.run_labels(single).tolist() == ["a"]
+
+
+# --------------------------------------------------------------------------- live-server extras
+def test_round_trip_with_server_metrics_and_log(tmp_path):
+    run_dir = write_scraped_run(tmp_path / "sweep" / "live", "live")
+    assert {"server_metrics.parquet", "server.log"} <= {p.name for p in run_dir.iterdir()}
+    assert (run_dir / "server.log").read_text() == "INFO server for live <b>started</b>\n"
+    *_, server, meta = scraped_run("live")
+    res = results.load(tmp_path / "sweep")
+    pd.testing.assert_frame_equal(res.server_metrics.drop(columns="run_id"), server)
+    assert (res.server_metrics["run_id"] == "live").all()
+    assert (
+        res.runs["server_prefix_query_tokens"].iloc[0]
+        == server["prefix_query_tokens_total"].iloc[-1] - server["prefix_query_tokens_total"].iloc[0]
+    )
+    assert results.is_complete(run_dir, meta["config_hash"])
+    # A rerun replaces the directory although it holds the server files (they are kvbench's).
+    write_scraped_run(tmp_path / "sweep" / "live", "live", seed=1)
+    assert [p.name for p in (tmp_path / "sweep").iterdir() if not p.name.endswith("-server.log")] == ["live"]
+
+
+def test_runs_without_server_metrics_load_an_empty_frame(tmp_path):
+    run_dir, (*_, meta, _summary) = write_exact(tmp_path / "run0")
+    res = results.load(run_dir)
+    assert res.server_metrics.empty and list(res.server_metrics.columns) == ["run_id"]
+    assert not (run_dir / "server_metrics.parquet").exists()
+    assert results.is_complete(run_dir, meta["config_hash"])  # unchanged for runs without extras
+    write_scraped_run(tmp_path / "live", "live")
+    both = results.load(tmp_path)
+    assert set(both.server_metrics["run_id"]) == {"live"} and set(both.runs["run_id"]) == {"exact", "live"}
+
+
+def test_failed_run_keeps_what_the_server_gave(tmp_path):
+    meta = base_meta("dead", "endpoint", None)
+    log = tmp_path / "vllm.log"
+    log.write_text("engine core died\n")
+    frame = server_frame([0.0, 1.0], errors=["", "ConnectError: refused"], num_running=[2, float("nan")])
+    run_dir = results.write_failed_run(
+        tmp_path / "dead",
+        meta,
+        "server died",
+        "x: 1\n",
+        extra_frames={"server_metrics": frame},
+        attachments={"server.log": log},
+    )
+    res = results.load(run_dir)
+    assert res.runs["status"].tolist() == ["failed"] and res.requests.empty
+    assert res.server_metrics["error"].tolist() == ["", "ConnectError: refused"]
+    assert (run_dir / "server.log").read_text() == "engine core died\n"
+    assert not results.is_complete(run_dir, meta["config_hash"])
+
+
+def test_unknown_extras_and_unreadable_attachments_are_refused(tmp_path):
+    requests, steps, memory, meta = exact_run()
+    write = lambda **extra: results.write_run(  # noqa: E731 - one call, several variants
+        tmp_path / "run0", requests, steps, memory, meta, "", {}, **extra
+    )
+    with pytest.raises(results.ResultsWriteError, match=r"extra_frames: \['notes'\] not among"):
+        write(extra_frames={"notes": pd.DataFrame()})
+    with pytest.raises(results.ResultsWriteError, match=r"attachments: \['../x.log'\] not among"):
+        write(attachments={"../x.log": tmp_path / "a"})
+    with pytest.raises(
+        results.ResultsWriteError, match=r"run0/server.log: cannot copy .*gone.log: No such file"
+    ):
+        write(attachments={"server.log": tmp_path / "gone.log"})
+    assert [p.name for p in tmp_path.iterdir()] == []  # nothing half-written
+
+
+def test_a_users_directory_with_a_server_log_is_still_not_replaced(tmp_path):
+    mine = tmp_path / "live"
+    mine.mkdir()
+    (mine / "server.log").write_text("my own notes\n")  # a name kvbench writes, but no marker
+    with pytest.raises(results.ResultsWriteError, match="is not a kvbench run directory"):
+        write_scraped_run(mine, "live")
+    assert (mine / "server.log").read_text() == "my own notes\n"
+    assert sorted(p.name for p in mine.iterdir()) == ["server.log"]
+
+
+def test_server_facts_in_meta_become_columns(tmp_path):
+    facts = {"block_size": 32, "num_gpu_blocks": 64, "enable_prefix_caching": True}
+    run_dir, _ = write_exact(tmp_path / "run0", server=facts, server_kind="vllm")
+    runs = results.load(run_dir).runs
+    assert runs["server.block_size"].tolist() == [32] and runs["server.enable_prefix_caching"].tolist() == [
+        True
+    ]
+    assert runs["server_kind"].tolist() == ["vllm"]
