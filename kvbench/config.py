@@ -72,6 +72,8 @@ class RunOptions:
     report: bool = True  # sweeps write their HTML report at the end
     resume: bool = True  # skip runs already complete with the same config
     memory_interval_s: float = 0.05
+    # Live-server engines (engine=endpoint, vllm_cpu): how often the server's /metrics is scraped.
+    server_metrics_interval_s: float = 0.25
 
 
 @dataclass
@@ -168,6 +170,9 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         raise ConfigError(
             f"run.memory_interval_s: must be > 0 and finite, got {merged.run.memory_interval_s}"
         )
+    interval_s = merged.run.server_metrics_interval_s
+    if not (interval_s > 0 and math.isfinite(interval_s)):
+        raise ConfigError(f"run.server_metrics_interval_s: must be > 0 and finite, got {interval_s}")
     if merged.run.mode == "real":
         for key in ("dtype", "kv_dtype"):
             value = merged.run[key]

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import re
+import tempfile
 import traceback
 from collections import Counter
 from dataclasses import dataclass
@@ -33,11 +34,26 @@ from kvbench.model import LlamaModel
 from kvbench.runner import RawRun, SimClock, WallClock, replay
 from kvbench.sizing import weight_bytes
 from kvbench.specs import HardwareSpec, ModelSpec
-from kvbench.types import Engine, EngineContext, Request, Workload
+from kvbench.types import Engine, EngineContext, LiveEngine, Request, Workload
 
 # Run options that do not change what is measured: excluded from the config hash so
 # that moving results or turning the progress bar on does not defeat resume.
 _NON_SEMANTIC_RUN_KEYS = ("results_dir", "sweep_name", "run_id", "progress", "report", "resume")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What ``_measure`` collected: the summary, the raw frames, and a live server's
+    scrape timeline and log (None for in-process engines)."""
+
+    summary: dict[str, Any]
+    raw: RawRun
+    memory: pd.DataFrame
+    server_metrics: pd.DataFrame | None = None
+    server_log: Path | None = None
+    # Why the live server failed during the run ("" when it did not): the run is failed,
+    # its frames kept.
+    server_failure: str = ""
 
 
 @dataclass(frozen=True)
@@ -167,9 +183,17 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
         "experiment": cfg.experiment,
     }
     config_yaml = OmegaConf.to_yaml(cfg)
+    # A live server's log is written here during the run, then attached to the run.
+    with tempfile.TemporaryDirectory(prefix="kvbench-run-") as work_dir:
+        return _execute(cfg, run_dir, meta, config_yaml, Path(work_dir))
+
+
+def _execute(
+    cfg: DictConfig, run_dir: Path, meta: dict[str, Any], config_yaml: str, work_dir: Path
+) -> RunOutcome:
     try:
         meta["environment"] = collect_environment()
-        summary, raw, memory = _measure(cfg, meta)
+        measured = _measure(cfg, meta, work_dir)
     except ConfigError as exc:
         meta.update(status="failed", error=f"ConfigError: {exc}")
         return _record_failure(
@@ -179,11 +203,26 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
         error = f"{type(exc).__name__}: {exc}"
         meta.update(status="failed", error=error, traceback=traceback.format_exc())
         return _record_failure(run_dir, meta, config_yaml, RunOutcome(run_dir, "failed", {}, error))
-    error = nothing_completed_error(raw.requests, summary)
+    summary, raw = measured.summary, measured.raw
+    error = "; ".join(
+        e for e in (measured.server_failure, nothing_completed_error(raw.requests, summary)) if e
+    )
     meta.update(status="failed" if error else "ok", error=error)
+    extra_frames = {"server_metrics": measured.server_metrics} if measured.server_metrics is not None else {}
+    log = measured.server_log
+    attachments = {"server.log": log} if log is not None and log.is_file() else {}
     try:
         results.write_run(
-            run_dir, raw.requests, raw.steps, memory, meta, config_yaml, summary, missing=meta["missing"]
+            run_dir,
+            raw.requests,
+            raw.steps,
+            measured.memory,
+            meta,
+            config_yaml,
+            summary,
+            missing=meta["missing"],
+            extra_frames=extra_frames,
+            attachments=attachments,
         )
     except results.ResultsWriteError as exc:
         meta.update(status="failed", error=f"results not written: {exc}")
@@ -258,7 +297,7 @@ def _shorten(text: str) -> str:
     return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
 
 
-def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], RawRun, Any]:
+def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
     spec = ModelSpec(**OmegaConf.to_container(cfg.model))
     hardware = HardwareSpec(**OmegaConf.to_container(cfg.hardware))
     sim = cfg.run.mode == "sim"
@@ -276,6 +315,8 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     factory = instantiate_plugin(cfg.engine, "engine")
     engine = build_engine(factory, ctx, cfg.engine._target_)
     refuse_unservable(engine, workload, cfg)
+    if isinstance(engine, LiveEngine):
+        return _measure_live(cfg, meta, engine, workload, spec, compute_dtype, work_dir)
     if cfg.run.warmup and not sim:
         # A throwaway engine warms kernels and allocator without priming the measured
         # engine's prefix cache.
@@ -322,7 +363,78 @@ def _measure(cfg: DictConfig, meta: dict[str, Any]) -> tuple[dict[str, Any], Raw
     metrics = dict(summary.metrics)
     if cfg.quality.enabled:
         metrics.update(measure_quality(cfg, model, engine, tokenizer))
-    return metrics, raw, memory
+    return Measured(metrics, raw, memory)
+
+
+def _measure_live(
+    cfg: DictConfig,
+    meta: dict[str, Any],
+    engine: LiveEngine,
+    workload: Workload,
+    spec: ModelSpec,
+    compute_dtype: str,
+    work_dir: Path,
+) -> Measured:
+    """The replay against a live server: open the engine (launching the server when
+    configured; ``run.warmup`` sends it one short request), scrape its /metrics around the
+    replay, and close it whatever happens (a launched server's process group is killed).
+    The server's clock-aligned scrape timeline and log come back with the frames."""
+    from kvbench.server_metrics import ServerMetricsScraper
+
+    if cfg.quality.enabled:
+        raise ConfigError("quality.enabled: the quality harness runs kvbench's own model, not a live server")
+    log_path = work_dir / "server.log"
+    try:
+        engine.open(log_path, warmup=cfg.run.warmup)
+        clock = WallClock()
+        scraper = ServerMetricsScraper(
+            engine.metrics_url(),
+            interval_s=cfg.run.server_metrics_interval_s,
+            headers=engine.request_headers(),
+            clock=clock.now,
+        )
+        sampler = MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=0)
+        with sampler, scraper:
+            raw = replay(engine, workload, clock, progress=cfg.run.progress)
+        server_failure = engine.server_failure()
+    finally:
+        engine.close()
+    # The client process's memory: the server's is its own (and may be on another host).
+    memory = sampler.samples_frame()
+    timeline = scraper.frame()
+    facts = scraper.server_facts()
+    meta.update(
+        workload=workload.name,
+        workload_source=workload.source,
+        workload_counters=dict(workload.counters),
+        duration_s=raw.duration_s,
+        num_steps=raw.num_steps,
+        weight_dtype=compute_dtype,
+        weight_bytes=weight_bytes(spec, compute_dtype),
+        missing={**sampler.missing(), **scraper.missing()},
+        kv_pool_bytes=facts.get("kv_cache_memory_bytes"),
+        block_size=facts.get("block_size"),
+        server_kind=scraper.server_kind,
+        server=facts,
+    )
+    meta.update(engine.describe())  # server URL, served model, client CPU per token, ...
+    summary = summarize_run(
+        raw.requests,
+        raw.steps,
+        meta,
+        memory,
+        workload_requests=workload.requests,
+        server_metrics=timeline,
+    )
+    meta["missing"] = dict(summary.missing)
+    return Measured(
+        dict(summary.metrics),
+        raw,
+        memory,
+        server_metrics=timeline,
+        server_log=engine.server_log_path(),
+        server_failure=server_failure,
+    )
 
 
 def measure_quality(

@@ -37,6 +37,21 @@ from kvbench.types import CoveredSteps, Engine, StepOutput, Workload
 # in a row means the engine cannot make progress and the run fails instead of hanging.
 MAX_IDLE_STEPS = 1000
 
+# The stall watchdog's default limit, per workload: this many times the most steps any
+# one of its requests needs on an engine of its own. A step that runs a request computes
+# at least one of its tokens (a prefill chunk, or one decode token per sample or beam),
+# so a request alone finishes within prompt + max_new_tokens steps; the factor leaves
+# room for requests sharing the token budget and for recomputation after preemption.
+STALL_STEPS_FACTOR = 4
+
+
+def default_max_stall_steps(workload: Workload) -> int:
+    """The stall limit ``replay`` uses for ``workload`` when none is given:
+    ``STALL_STEPS_FACTOR`` x the longest prompt + max_new_tokens over its requests, and
+    at least ``MAX_IDLE_STEPS``. Pure."""
+    longest = max((r.num_prompt_tokens + r.max_new_tokens for r in workload.requests), default=0)
+    return max(MAX_IDLE_STEPS, STALL_STEPS_FACTOR * longest)
+
 
 class Clock(Protocol):
     def now(self) -> float:
@@ -57,6 +72,11 @@ class Clock(Protocol):
 
     def device_time_s(self) -> float:
         """Device time of the last step from CUDA events; NaN where there are none."""
+        ...
+
+    def from_perf_s(self, perf_s: float) -> float:
+        """This clock's time of a ``time.perf_counter()`` reading (an event an engine
+        observed off the step loop, ``StepOutput.*_perf_s``)."""
         ...
 
 
@@ -92,6 +112,14 @@ class WallClock:
         self._sync()
         return time.perf_counter() - self._start
 
+    @property
+    def origin_perf_s(self) -> float:
+        """The ``time.perf_counter()`` reading this clock counts from (its time 0)."""
+        return self._start
+
+    def from_perf_s(self, perf_s: float) -> float:
+        return perf_s - self._start
+
     def wait_until(self, t_s: float) -> None:
         delay = t_s - self.now()
         if delay > 0:
@@ -122,6 +150,11 @@ class SimClock:
 
     def device_time_s(self) -> float:
         return float("nan")
+
+    def from_perf_s(self, perf_s: float) -> float:
+        raise RuntimeError(
+            "simulation clock: the engine reported wall-clock event times (a live engine needs run.mode=real)"
+        )
 
     def step_done(self, output: StepOutput) -> float:
         if output.covered_steps is not None:
@@ -162,7 +195,7 @@ class _RequestLog:
     finish_s: float = float("nan")
     token_times_s: list[float] = field(default_factory=list)
     num_generated_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int | None = 0  # None: the engine does not know (NaN in the frame)
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     peak_kv_slots: int = 0
@@ -261,19 +294,35 @@ def _fewer_gc_passes() -> Iterator[None]:
 
 
 @_fewer_gc_passes()
-def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "off") -> RawRun:
+def replay(
+    engine: Engine,
+    workload: Workload,
+    clock: Clock,
+    progress: str = "off",
+    *,
+    max_stall_steps: int | None = None,
+) -> RawRun:
     """Feed ``workload`` to ``engine`` at its arrival times until every request is done.
 
-    Mutates the engine (it runs the whole workload). Raises RuntimeError when the
-    engine stops making progress for MAX_IDLE_STEPS consecutive steps.
+    Two watchdogs stop a run that would otherwise spin forever, with a RuntimeError
+    naming the engine and its queues: MAX_IDLE_STEPS consecutive steps that schedule,
+    emit and retire nothing; and ``max_stall_steps`` consecutive steps (each covered step
+    of a multi-step output counts) in which no request finishes or is rejected while the
+    engine has work (tokens may flow: an engine that never completes anything).
+    ``max_stall_steps=None`` uses ``default_max_stall_steps(workload)``. Mutates the
+    engine (it runs the whole workload). Raises ValueError for ``max_stall_steps`` < 1.
     """
+    if max_stall_steps is None:
+        max_stall_steps = default_max_stall_steps(workload)
+    elif isinstance(max_stall_steps, bool) or not isinstance(max_stall_steps, int) or max_stall_steps < 1:
+        raise ValueError(f"replay: max_stall_steps must be an int >= 1 or None, got {max_stall_steps!r}")
     pending = deque(sorted(workload.requests, key=lambda r: r.arrival_s))
     num_steps = 0
     logs: dict[str, _RequestLog] = {}
     outputs: dict[str, tuple[tuple[int, ...], ...]] = {}
     step_rows: list[tuple[tuple[Any, ...], Any]] = []
     bar = _Progress(len(pending), progress, workload.name)
-    num_done = num_tokens = idle_steps = 0
+    num_done = num_tokens = idle_steps = stall_steps = 0
     limit = workload.max_concurrency
     # Optional engine hook: a simulated engine may cover several steps per call, never
     # past the next submission (see kvbench.types.Engine).
@@ -293,6 +342,7 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
                 )
                 engine.add_request(request)
             if not engine.has_unfinished():
+                stall_steps = 0  # nothing queued: an idle engine is not stalled
                 clock.wait_until(pending[0].arrival_s)
                 continue
             if announce is not None:
@@ -331,21 +381,31 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
                     ((num_steps, start_s, end_s, end_s - start_s, clock.device_time_s()), output.stats)
                 )
                 num_steps += 1
-            for request_id in output.first_scheduled:
+            # Engines observing events off the step loop time them themselves.
+            sent_perf_s = output.first_scheduled_times_perf_s
+            token_perf_s = output.token_times_perf_s
+            finish_perf_s = output.finish_times_perf_s
+            for index, request_id in enumerate(output.first_scheduled):
                 log = logs[request_id]
                 if log.first_scheduled_s != log.first_scheduled_s:  # NaN: first time
-                    log.first_scheduled_s = start_s
-            for event in output.tokens:
+                    log.first_scheduled_s = (
+                        start_s if sent_perf_s is None else clock.from_perf_s(sent_perf_s[index])
+                    )
+            for index, event in enumerate(output.tokens):
                 log = logs[event.request_id]
-                token_s = ends[event.step_offset]
+                token_s = (
+                    ends[event.step_offset]
+                    if token_perf_s is None
+                    else clock.from_perf_s(token_perf_s[index])
+                )
                 log.num_generated_tokens += 1
                 if log.first_token_s != log.first_token_s:
                     log.first_token_s = token_s
                 if event.sample_index == 0:
                     log.token_times_s.append(token_s)
-            for finished in output.finished:
+            for index, finished in enumerate(output.finished):
                 log = logs[finished.request_id]
-                log.finish_s = end_s
+                log.finish_s = end_s if finish_perf_s is None else clock.from_perf_s(finish_perf_s[index])
                 log.num_cached_tokens = finished.num_cached_prompt_tokens
                 log.num_preemptions = finished.num_preemptions
                 log.num_recomputed_tokens = finished.num_recomputed_tokens
@@ -363,7 +423,18 @@ def replay(engine: Engine, workload: Workload, clock: Clock, progress: str = "of
                     f"engine {engine.name!r} made no progress for {MAX_IDLE_STEPS} steps "
                     f"({output.stats.num_waiting} waiting, {output.stats.num_running} running)"
                 )
-            num_done += len(output.finished) + len(output.rejected)
+            num_retired = len(output.finished) + len(output.rejected)
+            stall_steps = 0 if num_retired else stall_steps + len(ends)
+            if stall_steps >= max_stall_steps:
+                raise RuntimeError(
+                    f"engine {engine.name!r} stalled: no request finished or was rejected in the last "
+                    f"{stall_steps} steps ({output.stats.num_waiting} waiting, "
+                    f"{output.stats.num_running} running; {num_done} of {len(logs)} submitted requests "
+                    f"done). The stall limit is {max_stall_steps} steps (default: "
+                    f"{STALL_STEPS_FACTOR} x the longest prompt + max_new_tokens of the workload); "
+                    "raise it with run.stall_steps (replay's max_stall_steps) if the workload needs longer"
+                )
+            num_done += num_retired
             num_tokens += len(output.tokens)
             bar.update(num_done, num_tokens, end_s)
     finally:
@@ -438,7 +509,7 @@ def _requests_frame(logs: Any, outputs: dict[str, tuple[tuple[int, ...], ...]]) 
             "num_output_tokens": len(outputs[log.request_id][0]) if log.request_id in outputs else 0,
             "num_generated_tokens": log.num_generated_tokens,
             "num_samples": log.num_samples,
-            "num_cached_tokens": log.num_cached_tokens,
+            "num_cached_tokens": math.nan if log.num_cached_tokens is None else log.num_cached_tokens,
             "num_preemptions": log.num_preemptions,
             "num_recomputed_tokens": log.num_recomputed_tokens,
             "peak_kv_slots": log.peak_kv_slots,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -173,7 +174,8 @@ class FinishedRequest:
 
     request_id: str
     output_token_ids: tuple[tuple[int, ...], ...]  # one tuple per sample / beam
-    num_cached_prompt_tokens: int = 0
+    # None: unknown (a live server that does not report it), never 0 for unknown.
+    num_cached_prompt_tokens: int | None = 0
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     # Peak KV token slots this request's sequences held at once (sharing counted once).
@@ -267,6 +269,25 @@ class StepOutput:
     # whose step time the runner reads from the clock.
     modeled_duration_s: float | None = None
     covered_steps: CoveredSteps | None = None
+    # Engines that observe events off the step loop (a live server's stream): when each
+    # event happened, as time.perf_counter() readings taken on receipt; the runner maps
+    # them to its clock (Clock.from_perf_s). Readings, not runner times, because such an
+    # engine is built before the runner's clock starts. ``token_times_perf_s[i]`` times
+    # ``tokens[i]``, ``first_scheduled_times_perf_s[i]`` ``first_scheduled[i]`` (the
+    # request was sent), ``finish_times_perf_s[i]`` ``finished[i]``. None: at the step's
+    # end (its start for first_scheduled), as for every engine that computes in ``step``.
+    token_times_perf_s: tuple[float, ...] | None = None
+    first_scheduled_times_perf_s: tuple[float, ...] | None = None
+    finish_times_perf_s: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for times, events, name in (
+            (self.token_times_perf_s, self.tokens, "token_times_perf_s"),
+            (self.first_scheduled_times_perf_s, self.first_scheduled, "first_scheduled_times_perf_s"),
+            (self.finish_times_perf_s, self.finished, "finish_times_perf_s"),
+        ):
+            if times is not None and len(times) != len(events):
+                raise ValueError(f"StepOutput: {name} has {len(times)} times for {len(events)} events")
 
     @property
     def num_steps(self) -> int:
@@ -328,3 +349,32 @@ class Engine(Protocol):
     def describe(self) -> dict[str, Any]:
         """Static facts for the run record: kv bytes per token, pool bytes, block size."""
         ...
+
+
+@runtime_checkable
+class LiveEngine(Protocol):
+    """An Engine whose requests run on a live server (kvbench.engines.endpoint).
+
+    ``kvbench.execute`` opens it before the replay and always closes it after, on failure
+    and interruption too. ``open`` launches the server (its output appended to
+    ``log_path``) or finds it, waits until it is ready and, with ``warmup``, sends one
+    short request; it raises with a one-screen message naming the URL when the server is
+    unreachable. ``close`` stops the client and kills a launched server's process group.
+    ``metrics_url`` and ``request_headers`` (in memory only: an API key) are where and how
+    to scrape the server's Prometheus metrics; ``server_log_path`` the launched server's
+    log (None for a server kvbench did not launch). ``server_failure`` says why the server
+    failed during the run ("" when it did not): such a run is recorded as failed, with what
+    was collected kept.
+    """
+
+    def open(self, log_path: Path, *, warmup: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+    def metrics_url(self) -> str: ...
+
+    def request_headers(self) -> dict[str, str]: ...
+
+    def server_log_path(self) -> Path | None: ...
+
+    def server_failure(self) -> str: ...

@@ -8,7 +8,14 @@ from collections import deque
 import pandas as pd
 import pytest
 
-from kvbench.runner import MAX_IDLE_STEPS, SimClock, WallClock, replay
+from kvbench.runner import (
+    MAX_IDLE_STEPS,
+    STALL_STEPS_FACTOR,
+    SimClock,
+    WallClock,
+    default_max_stall_steps,
+    replay,
+)
 from kvbench.types import (
     CoveredSteps,
     FinishedRequest,
@@ -197,3 +204,99 @@ def test_covered_steps_check_their_shape() -> None:
         CoveredSteps((1.0, 1.0), stats, {"kv.token_bytes": [3]}, ("r",), (0,), ((5, 6),))
     with pytest.raises(ValueError, match="every token row"):
         CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), ((5,),))
+
+
+# --------------------------------------------------------------------------- stall watchdog
+class NeverFinishingEngine:
+    """Admits every request and emits one token per running request each step, but never
+    finishes one (an end condition that is never reached)."""
+
+    name = "looping"
+
+    def __init__(self) -> None:
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def describe(self) -> dict:
+        return {}
+
+    def step(self) -> StepOutput:
+        first, self.waiting = tuple(self.waiting), []
+        self.running.extend(first)
+        tokens = tuple(TokenEvent(request_id, 0, 7) for request_id in self.running)
+        kv = KVUsage(capacity_bytes=100, allocated_bytes=10, token_bytes=8)
+        stats = StepStats(len(self.running), 0, len(tokens), 0, len(tokens), kv)
+        return StepOutput(tokens, first, (), (), stats, modeled_duration_s=0.5)
+
+
+def test_an_engine_that_never_finishes_is_stopped_with_its_state() -> None:
+    workload = _workload([0.0, 0.0, 5.0], max_new=2)
+    with pytest.raises(RuntimeError) as error:
+        replay(NeverFinishingEngine(), workload, SimClock(), max_stall_steps=40)
+    message = str(error.value)
+    assert "engine 'looping' stalled: no request finished or was rejected in the last 40 steps" in message
+    assert "(0 waiting, 3 running; 0 of 3 submitted requests done)" in message
+    assert "stall limit is 40 steps" in message and "run.stall_steps" in message
+
+
+def test_an_engine_that_never_schedules_is_stopped_by_the_stall_limit_first() -> None:
+    with pytest.raises(RuntimeError, match=r"'scripted' stalled: .* last 25 steps \(1 waiting, 0 running"):
+        replay(ScriptedEngine(stuck=True), _workload([0.0]), SimClock(), max_stall_steps=25)
+
+
+@pytest.mark.parametrize("max_stall_steps, stalls", [(6, False), (5, True)])
+def test_stall_limit_counts_steps_since_the_last_finish(max_stall_steps: int, stalls: bool) -> None:
+    # r0 needs 6 steps and finishes in the 6th: 5 steps without a finish before it.
+    workload = _workload([0.0], max_new=6)
+    if stalls:
+        with pytest.raises(RuntimeError, match="last 5 steps"):
+            replay(ScriptedEngine(), workload, SimClock(), max_stall_steps=max_stall_steps)
+    else:
+        raw = replay(ScriptedEngine(), workload, SimClock(), max_stall_steps=max_stall_steps)
+        assert raw.num_steps == 6
+
+
+@pytest.mark.parametrize("max_stall_steps, stalls", [(6, False), (5, True)])
+def test_covered_steps_count_as_steps_for_the_stall_limit(max_stall_steps: int, stalls: bool) -> None:
+    # One step, then 4 covered steps in one output, then the finishing step.
+    workload = _workload([0.0], max_new=6)
+    if stalls:
+        with pytest.raises(RuntimeError, match="last 5 steps"):
+            replay(CoveringEngine(split=False), workload, SimClock(), max_stall_steps=max_stall_steps)
+    else:
+        assert (
+            replay(
+                CoveringEngine(split=False), workload, SimClock(), max_stall_steps=max_stall_steps
+            ).num_steps
+            == 6
+        )
+
+
+def test_default_stall_limit_comes_from_the_longest_request() -> None:
+    long_one = Workload("w", (Request("a", 0.0, (5,) * 40, 900), Request("b", 0.0, (5,) * 3, 10)))
+    assert default_max_stall_steps(long_one) == STALL_STEPS_FACTOR * 940
+    assert default_max_stall_steps(_workload([0.0], max_new=3)) == MAX_IDLE_STEPS
+    assert default_max_stall_steps(Workload("empty", ())) == MAX_IDLE_STEPS
+    # A request that runs 1,500 steps without any finish passes under the default (6,012).
+    raw = replay(ScriptedEngine(step_s=0.01), _workload([0.0], max_new=1500), SimClock())
+    assert raw.num_steps == 1500
+    with pytest.raises(RuntimeError, match="stall limit is 1000 steps"):
+        replay(ScriptedEngine(step_s=0.01), _workload([0.0], max_new=1500), SimClock(), max_stall_steps=1000)
+
+
+def test_idle_gaps_reset_the_stall_count() -> None:
+    # r0 finishes at step 3, r1 arrives later: each stretch is 2 steps without a finish.
+    raw = replay(ScriptedEngine(), _workload([0.0, 10.0, 20.0], max_new=3), SimClock(), max_stall_steps=3)
+    assert raw.num_steps == 9
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "10"])
+def test_stall_limit_must_be_a_positive_int(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_stall_steps must be an int >= 1"):
+        replay(ScriptedEngine(), _workload([0.0]), SimClock(), max_stall_steps=bad)  # type: ignore[arg-type]
