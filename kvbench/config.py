@@ -74,6 +74,10 @@ class RunOptions:
     memory_interval_s: float = 0.05
     # Live-server engines (engine=endpoint, vllm_cpu): how often the server's /metrics is scraped.
     server_metrics_interval_s: float = 0.25
+    # The stall watchdog: consecutive engine steps with no request finished or rejected
+    # while work is queued before the run stops with an error. None: derived from the
+    # workload (kvbench.runner.default_max_stall_steps).
+    stall_steps: int | None = None
 
 
 @dataclass
@@ -184,6 +188,8 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         _check_device(merged.run.device)
     if merged.run.progress not in ("auto", "on", "off"):
         raise ConfigError(f"run.progress: must be auto, on or off, got {merged.run.progress!r}")
+    if merged.run.stall_steps is not None and merged.run.stall_steps < 1:
+        raise ConfigError(f"run.stall_steps: must be >= 1 or null, got {merged.run.stall_steps}")
     if merged.run.num_threads < 0:
         raise ConfigError(f"run.num_threads: must be >= 0, got {merged.run.num_threads}")
     for section in ("engine", "workload"):

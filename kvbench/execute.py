@@ -38,7 +38,15 @@ from kvbench.types import Engine, EngineContext, LiveEngine, Request, Workload
 
 # Run options that do not change what is measured: excluded from the config hash so
 # that moving results or turning the progress bar on does not defeat resume.
-_NON_SEMANTIC_RUN_KEYS = ("results_dir", "sweep_name", "run_id", "progress", "report", "resume")
+_NON_SEMANTIC_RUN_KEYS = (
+    "results_dir",
+    "sweep_name",
+    "run_id",
+    "progress",
+    "report",
+    "resume",
+    "stall_steps",
+)
 
 
 @dataclass(frozen=True)
@@ -328,7 +336,7 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
     # Simulation samples nothing: the process's memory is the simulator's own, not the
     # modeled GPU's (and a sampling thread only competes for the GIL).
     with contextlib.nullcontext() if sim else sampler:
-        raw = replay(engine, workload, clock, progress=cfg.run.progress)
+        raw = replay(engine, workload, clock, progress=cfg.run.progress, max_stall_steps=cfg.run.stall_steps)
     memory = sampler.samples_frame()
     missing = dict(sampler.missing())
     if sim:
@@ -395,7 +403,9 @@ def _measure_live(
         )
         sampler = MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=0)
         with sampler, scraper:
-            raw = replay(engine, workload, clock, progress=cfg.run.progress)
+            raw = replay(
+                engine, workload, clock, progress=cfg.run.progress, max_stall_steps=cfg.run.stall_steps
+            )
         server_failure = engine.server_failure()
     finally:
         engine.close()

@@ -449,9 +449,17 @@ def summarize_run(
     missing: dict[str, str] = {}
     _request_metrics(requests, meta, out, missing)
     _step_metrics(steps, out, missing)
-    _prefix_reuse_metrics(requests, meta, workload_requests, out, missing)
-    _sharing_metric(requests, out, missing)
     _roofline_metrics(steps, meta, out, missing)
+    live = server_metrics is not None
+    if live:
+        # A live server's steps are the client's polls: its KV, preemptions and prefix
+        # lookups are invisible there (0 would read as measured); the server_* metrics
+        # carry them.
+        for name in (*_ENGINE_INTERNAL_METRICS, *_ROOFLINE_METRICS):
+            out.pop(name, None)
+            missing[name] = _LIVE_REASON
+    _prefix_reuse_metrics(requests, meta, workload_requests, out, missing, live=live)
+    _sharing_metric(requests, out, missing)
     _memory_metrics(memory, meta, out, missing)
     server = server_summary(server_metrics, meta.get("missing"))
     out.update(server.metrics)
@@ -534,7 +542,15 @@ def _request_metrics(
                 out[name] = math.nan
                 missing[name] = "benchmark duration is zero"
     if "num_cached_tokens" in requests:
-        out["num_cached_prompt_tokens"] = float(completed["num_cached_tokens"].sum())
+        cached = pd.to_numeric(completed["num_cached_tokens"], errors="coerce")
+        if cached.isna().any():
+            out["num_cached_prompt_tokens"] = math.nan
+            missing["num_cached_prompt_tokens"] = (
+                f"{int(cached.isna().sum())} completed request(s) have no cached-token count "
+                "(a live server that does not report usage.prompt_tokens_details.cached_tokens)"
+            )
+        else:
+            out["num_cached_prompt_tokens"] = float(cached.sum())
     _goodput(lat[done], out, missing, meta.get("slo") or {})
 
 
@@ -573,36 +589,49 @@ def _col(steps: pd.DataFrame, name: str) -> np.ndarray:
     return steps[name].to_numpy(dtype=float)
 
 
+_LIVE_REASON = (
+    "live server: the client cannot see the server's engine steps (see the server_* metrics "
+    "scraped from its /metrics)"
+)
+# Step metrics that describe the engine's own KV manager and scheduler (every step metric
+# but the running counts, which for a live server are the client's requests in flight).
+_ENGINE_INTERNAL_METRICS: tuple[str, ...] = (
+    "kv_capacity_bytes",
+    "kv_peak_allocated_bytes",
+    "kv_mean_allocated_bytes",
+    "kv_peak_token_bytes",
+    "kv_mean_token_bytes",
+    "kv_peak_utilization",
+    "kv_token_fraction_mean",
+    "kv_token_fraction_at_peak",
+    "kv_reserved_unused_bytes_mean",
+    "kv_internal_frag_bytes_mean",
+    "kv_external_frag_bytes_mean",
+    "kv_reserved_unused_bytes_at_peak",
+    "kv_internal_frag_bytes_at_peak",
+    "kv_external_frag_bytes_at_peak",
+    "kv_peak_host_bytes",
+    "prefix_hit_rate",
+    "num_preemptions",
+    "num_recomputed_tokens",
+    "num_evicted_blocks",
+    "num_evicted_tokens",
+    "bytes_to_host",
+    "bytes_from_host",
+    "modeled_transfer_s",
+    "measured_transfer_s",
+    "fetch_recall_mean",
+)
+_ROOFLINE_METRICS: tuple[str, ...] = (
+    "decode_roofline_ms_mean",
+    "decode_step_ms_mean",
+    "decode_roofline_fraction_mean",
+    "decode_achieved_gbps",
+)
+
+
 def _step_metrics(steps: pd.DataFrame, out: dict[str, float], missing: dict[str, str]) -> None:
-    step_names = [
-        "peak_num_running",
-        "mean_num_running",
-        "kv_capacity_bytes",
-        "kv_peak_allocated_bytes",
-        "kv_mean_allocated_bytes",
-        "kv_peak_token_bytes",
-        "kv_mean_token_bytes",
-        "kv_peak_utilization",
-        "kv_token_fraction_mean",
-        "kv_token_fraction_at_peak",
-        "kv_reserved_unused_bytes_mean",
-        "kv_internal_frag_bytes_mean",
-        "kv_external_frag_bytes_mean",
-        "kv_reserved_unused_bytes_at_peak",
-        "kv_internal_frag_bytes_at_peak",
-        "kv_external_frag_bytes_at_peak",
-        "kv_peak_host_bytes",
-        "prefix_hit_rate",
-        "num_preemptions",
-        "num_recomputed_tokens",
-        "num_evicted_blocks",
-        "num_evicted_tokens",
-        "bytes_to_host",
-        "bytes_from_host",
-        "modeled_transfer_s",
-        "measured_transfer_s",
-        "fetch_recall_mean",
-    ]
+    step_names = ["peak_num_running", "mean_num_running", *_ENGINE_INTERNAL_METRICS]
     if len(steps) == 0:
         for name in step_names:
             missing[name] = "the run recorded no engine steps"
@@ -765,6 +794,7 @@ def _prefix_reuse_metrics(
     workload_requests: Sequence[Request] | None,
     out: dict[str, float],
     missing: dict[str, str],
+    live: bool = False,
 ) -> None:
     done = requests[completed_mask(requests)]
     prompt_tokens = float(done["num_prompt_tokens"].sum())
@@ -774,7 +804,9 @@ def _prefix_reuse_metrics(
         return
     if "num_cached_tokens" not in done:
         missing[hit] = "requests frame has no num_cached_tokens column"
-    elif "prefix_hit_rate" in missing:
+    elif "num_cached_prompt_tokens" in missing:
+        missing[hit] = missing["num_cached_prompt_tokens"]
+    elif "prefix_hit_rate" in missing and not live:
         # No lookups at all (prefix caching off, dense engine): 0 cached tokens would read
         # as "the cache missed", not "there was no cache".
         missing[hit] = missing["prefix_hit_rate"]
@@ -818,12 +850,7 @@ def _sharing_metric(requests: pd.DataFrame, out: dict[str, float], missing: dict
 def _roofline_metrics(
     steps: pd.DataFrame, meta: Mapping[str, Any], out: dict[str, float], missing: dict[str, str]
 ) -> None:
-    names = (
-        "decode_roofline_ms_mean",
-        "decode_step_ms_mean",
-        "decode_roofline_fraction_mean",
-        "decode_achieved_gbps",
-    )
+    names = _ROOFLINE_METRICS
     weight_bytes = meta.get("weight_bytes")
     bandwidth_gbps = (meta.get("hardware") or {}).get("hbm_bandwidth_gbps")
     reason = ""

@@ -251,3 +251,20 @@ def test_a_partly_servable_workload_runs_and_counts_its_rejections() -> None:
     refuse_unservable(engine, workload, cfg)  # one request is servable: no error
     assert engine.unsupported_reason(workload.requests[1]) is not None
     assert engine.unsupported_reason(workload.requests[0]) is None
+
+
+def test_stall_steps_reaches_the_watchdog(tmp_path) -> None:
+    """run.stall_steps is the runner's max_stall_steps: a limit below what the work needs stops the run."""
+    out = run_kvbench(
+        "run",
+        "engine=paged",
+        "workload.num_requests=2",
+        "workload.output_len=64",
+        "run.warmup=false",
+        "run.mode=sim",
+        "run.stall_steps=5",
+        cwd=tmp_path,
+    )
+    assert out.returncode != 0
+    assert "raise it with run.stall_steps" in out.stderr + out.stdout
+    assert "run.stall_steps: must be >= 1 or null, got 0" in config_error("run.stall_steps=0")

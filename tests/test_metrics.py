@@ -372,3 +372,28 @@ def test_summarize_run_takes_the_server_frame(exact):
     assert live.metrics["server_prefix_hit_rate"] == pytest.approx(8 / 35)
     assert live.metrics["ttft_ms_mean"] == plain.metrics["ttft_ms_mean"]  # the rest is unchanged
     assert "not a live server run" not in live.missing.get("server_num_preemptions", "")
+
+
+def test_live_runs_hide_the_clients_step_internals(exact):
+    """A live server's steps are the client's polls: their KV and prefix figures are not
+    measurements, so they are NaN with a reason, not 0 (a 'peak KV 0 B' summary)."""
+    requests, steps, memory, meta = exact
+    frame = server_frame([0.0, 0.5], prefix_query_tokens_total=[0, 35], prefix_hit_tokens_total=[0, 8])
+    live = metrics.summarize_run(requests, steps, meta, memory, server_metrics=frame)
+    for name in ("kv_peak_allocated_bytes", "prefix_hit_rate", "num_preemptions", "decode_roofline_ms_mean"):
+        assert math.isnan(live.metrics[name]), name
+        assert live.missing[name].startswith("live server: the client cannot see"), name
+    plain = summary_of(requests, steps, meta, memory)
+    # What the client does see stays: latencies, concurrency, and the server-reported
+    # cached tokens per request (first admission).
+    assert live.metrics["peak_num_running"] == plain.metrics["peak_num_running"]
+    assert live.metrics["prefix_hit_rate_first_admission"] == plain.metrics["prefix_hit_rate_first_admission"]
+
+
+def test_unknown_cached_tokens_are_not_summed_as_zero(exact):
+    requests, steps, memory, meta = exact
+    unknown = requests.assign(num_cached_tokens=[math.nan] + list(requests["num_cached_tokens"].iloc[1:]))
+    result = summary_of(unknown, steps, meta, memory)
+    assert math.isnan(result.metrics["num_cached_prompt_tokens"])
+    assert "no cached-token count" in result.missing["num_cached_prompt_tokens"]
+    assert math.isnan(result.metrics["prefix_hit_rate_first_admission"])
