@@ -22,6 +22,7 @@ commands:
   compare   compare two result sets:          kvbench compare BASELINE CANDIDATE --fail-on tpot_ms_p99:+10%
   trace     inspect a trace file:             kvbench trace inspect FILE [--json]
   calibrate fit simulation coefficients:      kvbench calibrate RESULTS_DIR --name my-cpu
+  twin      replay a live-server run in simulation: kvbench twin RUN_DIR --hardware my-server
   export    model as a Hugging Face directory: kvbench export model=tiny-gqa seed=0 dtype=fp32 out=DIR
 
 `kvbench <command> --help` explains each command.
@@ -215,6 +216,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "compare": _delegate("kvbench.compare", "main"),
     "trace": _trace,
     "calibrate": _delegate("kvbench.sim.calibrate", "main"),
+    "twin": _delegate("kvbench.twin", "main"),
 }
 
 

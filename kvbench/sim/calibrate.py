@@ -31,6 +31,11 @@ keeps the base profile's coefficient and the fit says so in ``notes``. When the 
 implies more than the profile's nominal bandwidth or peak (caches on a CPU), the nominal
 figure is raised to the fitted one and the efficiency set to 1, also noted.
 
+A live-server run (``engine=vllm_cpu`` / ``endpoint``: meta ``engine_kind`` "live") has no
+server steps in its steps.parquet (its rows are client polls); its steps are reconstructed
+from the requests' token arrival times (kvbench.sim.live_steps, which explains how and
+when a step cannot be known) and only the reliable ones are fitted.
+
 Step composition comes from the StepStats columns. Columns a richer engine may add are
 used when present (``num_prefill_seqs``, ``num_prefill_attention_pairs``,
 ``num_prefill_context_tokens``, ``num_decode_context_tokens``); otherwise prefill chunks
@@ -63,6 +68,9 @@ from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 MIN_DURATION_S = 1e-6
 # Rounds of reweighting by the modeled time after the first fit (it converges in a few).
 REWEIGHT_ITERATIONS = 10
+# Fewest reliable reconstructed steps a live run must contribute: fewer cannot separate
+# the five coefficients (and say that the client did not see the server's iterations).
+MIN_LIVE_STEPS = 20
 # First line of every profile calibrate writes: --force replaces only files that start so.
 HEADER = "# Fitted by `kvbench calibrate"
 
@@ -354,6 +362,7 @@ def _to_hardware(
 # --------------------------------------------------------------------------- results -> runs
 def runs_from_results(results: Any) -> tuple[list[CalibrationRun], HardwareSpec]:
     """Real-mode, successful runs of a ``kvbench.results.Results`` and their common hardware.
+    A live-server run contributes its reconstructed steps (``live_run_steps``).
 
     Raises CalibrationError when there is no such run, the runs were measured on
     different hardware profiles, or a run lacks the meta fields the fit needs.
@@ -377,7 +386,9 @@ def runs_from_results(results: Any) -> tuple[list[CalibrationRun], HardwareSpec]
     base = None
     for row in selected.to_dict("records"):
         run_id = str(row["run_id"])
-        for column in ("kv_bytes_per_token", "weight_bytes"):
+        live = row.get("engine_kind") == "live"
+        # A live server's KV bytes per token are the model's (kvbench.sizing), not an engine's.
+        for column in ("weight_bytes",) if live else ("kv_bytes_per_token", "weight_bytes"):
             if row.get(column) is None or pd.isna(row.get(column)):
                 raise CalibrationError(f"run {run_id}: meta field {column!r} is missing")
         spec = ModelSpec(**{f: _plain(row[f"model.{f}"]) for f in model_fields if f"model.{f}" in row})
@@ -385,12 +396,51 @@ def runs_from_results(results: Any) -> tuple[list[CalibrationRun], HardwareSpec]
             base = HardwareSpec(
                 **{f: _plain(row[f"hardware.{f}"]) for f in hardware_fields if f"hardware.{f}" in row}
             )
-        steps = results.steps[results.steps["run_id"] == run_id]
+        if live:
+            steps, kv_bytes_per_token = live_run_steps(results.requests, row, spec)
+        else:
+            steps = results.steps[results.steps["run_id"] == run_id]
+            kv_bytes_per_token = int(row["kv_bytes_per_token"])
         calibration_runs.append(
-            CalibrationRun(run_id, steps, spec, int(row["kv_bytes_per_token"]), int(row["weight_bytes"]))
+            CalibrationRun(run_id, steps, spec, kv_bytes_per_token, int(row["weight_bytes"]))
         )
     assert base is not None
     return calibration_runs, base
+
+
+def live_run_steps(
+    requests: pd.DataFrame, row: Mapping[str, Any], spec: ModelSpec
+) -> tuple[pd.DataFrame, int]:
+    """The steps of a live-server run (``row``: its runs-frame row) for the fit, and its KV
+    bytes per token: the server's steps are not recorded, so they are reconstructed from
+    the run's token times (kvbench.sim.live_steps), keeping only the reliable ones.
+    Reads the run's run.json and server.log. Raises CalibrationError naming the run."""
+    from kvbench.results import ResultsError, read_record
+    from kvbench.sim.live_steps import ReconstructionError, reconstruct_steps, reliable_steps, server_limits
+    from kvbench.sizing import kv_bytes_per_token
+
+    run_id = str(row["run_id"])
+    run_dir = Path(str(row["run_dir"]))
+    try:
+        record = read_record(run_dir)
+        log_path = run_dir / "server.log"
+        log = log_path.read_text(errors="replace") if log_path.is_file() else ""
+        limits = server_limits(record["meta"], log)
+        mine = requests[requests["run_id"] == run_id]
+        steps = reconstruct_steps(mine, max_num_batched_tokens=limits.max_num_batched_tokens)
+    except (ResultsError, ReconstructionError, OSError) as exc:
+        raise CalibrationError(f"run {run_id}: {exc}") from None
+    usable = reliable_steps(steps)
+    if len(usable) < MIN_LIVE_STEPS:
+        reasons = steps["unreliable"].value_counts().to_dict()
+        raise CalibrationError(
+            f"run {run_id}: only {len(usable)} of its {len(steps)} reconstructed server steps are "
+            f"reliable (at least {MIN_LIVE_STEPS} needed; unreliable: {reasons}): the client did not "
+            "see the server's iterations one by one (tokens arrived in bursts)"
+        )
+    run_meta = record["meta"].get("run") or {}
+    kv_dtype = run_meta.get("kv_dtype") or run_meta.get("dtype") or spec.dtype
+    return usable, kv_bytes_per_token(spec, kv_dtype)
 
 
 def _plain(value: Any) -> Any:
