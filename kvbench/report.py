@@ -5,9 +5,16 @@ environment and configs, a summary table (one row per run, failed runs with thei
 NaN cells explain why on hover), and the plots that the data supports -- a plot whose
 metric no run measured is left out rather than drawn empty.
 
-Runs are labelled by the config columns that vary across the sweep (``engine``,
-``engine.block_size``, ``model.name``...), so the same code reads well for every
-experiment: engines side by side, block sizes, prefix-cache workloads, budgets.
+Runs are labelled by what the user chose: the presets that differ and the overrides
+typed for the sweep (``results.run_labels``), never by the parameters a preset derives;
+every varying parameter is in the parameters table. The summary (``summary_view``: the
+same columns, statistics and formats as the terminal summary) puts the experiment's
+headline metrics first, units in the headers, about ten columns on the first screen and
+every other metric in a full table below; repeats of a configuration are pooled into one
+row and one bar with a 95 % bootstrap confidence interval of the mean (error bars). The
+experiment's headline plot (``headline.plot``, a key of ``PLOTS``) comes first. Legends
+sit outside the plotting area; latency CDFs become small multiples (one row of panels
+per value of the first label part) beyond ``SMALL_MULTIPLES_AT`` configurations.
 
 Runs against a live server (``server_metrics.parquet``) add the server's scraped KV usage
 and queue over time above each request's latencies, and each request's latency against
@@ -38,39 +45,34 @@ from plotly.subplots import make_subplots
 
 from kvbench import metrics
 from kvbench.html_page import GENERATOR_META, PageOutputError, escape, write_page
-from kvbench.results import Results, ResultsError, load, run_labels, varying_config_columns
-
-SUMMARY_METRICS: tuple[str, ...] = (
-    "num_completed",
-    "num_rejected",
-    "requests_per_s",
-    "output_tokens_per_s",
-    "goodput_requests_per_s",
-    "ttft_ms_median",
-    "ttft_ms_p99",
-    "tpot_ms_median",
-    "tpot_ms_p99",
-    "itl_ms_p99",
-    "e2el_ms_p99",
-    "peak_num_running",
-    "kv_peak_allocated_bytes",
-    "kv_token_fraction_mean",
-    "prefix_hit_rate",
-    # Side by side: what the cache hit at each request's first admission, and what an
-    # unbounded cache could have hit on the same requests (same definition).
-    "prefix_hit_rate_first_admission",
-    "prefix_reuse_upper_bound",
-    "kv_sharing_saved_fraction",
-    "num_preemptions",
-    "decode_roofline_fraction_mean",
-    # Live-server runs: what the server itself reported (kvbench.server_metrics).
-    "server_prefix_hit_rate",
-    "server_num_preemptions",
-    "server_kv_usage_peak",
-    "server_num_waiting_peak",
+from kvbench.results import (
+    REPEAT_COLUMN,
+    Results,
+    ResultsError,
+    label_columns,
+    label_names,
+    load,
+    plain_value,
+    varying_config_columns,
 )
+from kvbench.summary_view import (
+    CI_CONFIDENCE,
+    SummaryColumn,
+    SummaryView,
+    cell_note,
+    format_cell,
+    format_value,
+    pooled_runs,
+    summary_view,
+)
+from kvbench.summary_view import column as summary_column
+
 MAX_POINTS_PER_LINE = 2000  # time series are thinned so a long run does not bloat the page
 PLOT_CONFIG = {"displaylogo": False, "responsive": True}
+# Beyond this many configurations one CDF panel per latency would hold too many lines.
+SMALL_MULTIPLES_AT = 6
+# Every legend sits to the right of the plotting area (plotly shrinks the plot to make room).
+LEGEND_OUTSIDE = {"x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
 
 STYLE = """
 .banner { background: #fff4d6; border: 1px solid #e0b84c; padding: 8px 12px; }
@@ -80,7 +82,9 @@ table { border-collapse: collapse; font-size: 0.85rem; margin: 0.5rem 0 1rem; }
 th, td { border: 1px solid #ddd; padding: 0.25rem 0.5rem; text-align: right; }
 th { background: #f4f4f4; position: sticky; top: 0; } td.text { text-align: left; }
 tr.failed td { background: #fdecea; } td.nan { color: #999; }
-.scroll { overflow-x: auto; max-height: 36rem; }
+.scroll { overflow-x: auto; max-height: 36rem; max-width: 100%; border: 1px solid #eee; }
+th { font-weight: 600; } td.label { text-align: left; white-space: nowrap; }
+p.note { color: #666; font-size: 0.85rem; margin: 0.2rem 0; } ul.errors { font-size: 0.85rem; }
 pre { background: #f7f7f7; padding: 0.6rem; overflow-x: auto; font-size: 0.8rem; }
 .plot { margin: 1rem 0 2rem; } details { margin: 0.4rem 0; }
 """
@@ -121,11 +125,18 @@ def _mode_banner(runs: pd.DataFrame) -> str:
 
 def render_report(res: Results, title: str, source: str = "") -> str:
     """The full HTML page for ``res`` as a string. Pure: writes nothing."""
-    # ``label`` is plot text only (trace names, category ticks, hover): escaped once here,
-    # so plotly shows a label such as "<b>x</b>" literally instead of as markup.
-    runs = res.runs.assign(label=run_labels(res.runs).map(escape))
-    ok = runs[runs["status"] == "ok"] if "status" in runs else runs
-    figures = [(name, fig) for name, build in PLOTS for fig in [build(res, ok)] if fig is not None]
+    runs = res.runs
+    view = summary_view(runs)
+    # One row per configuration with an ok run (repeats pooled). ``label`` is plot text
+    # only (trace names, category ticks, hover): escaped once here, so plotly shows a label
+    # such as "<b>x</b>" literally, its parts on separate lines.
+    ok = pooled_runs(runs, sep="\n")
+    if not ok.empty:
+        ok = ok.assign(label=ok["label"].map(lambda text: escape(text).replace("\n", "<br>")))
+    builders = sorted(PLOTS, key=lambda plot: plot[0] != view.headline.plot)  # the headline plot first
+    figures = [(name, fig) for _, name, build in builders for fig in [build(res, ok)] if fig is not None]
+    for _, fig in figures:
+        fig.update_layout(legend=LEGEND_OUTSIDE)
     plot_html = "\n".join(
         f'<div class="plot"><h3>{escape(name)}</h3>'
         + pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=f"fig-{i}", config=PLOT_CONFIG)
@@ -134,6 +145,16 @@ def render_report(res: Results, title: str, source: str = "") -> str:
     )
     num_failed = int((runs.get("status", pd.Series(dtype=str)) == "failed").sum())
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    chosen = label_columns(runs)
+    names = label_names(chosen)
+    labelled_by = ", ".join(names[c] for c in chosen) or "nothing (one configuration)"
+    num_varying = len([c for c in varying_config_columns(runs) if c != REPEAT_COLUMN])
+    pooled = (
+        f" in {len(view.rows)} configurations (repeats pooled: mean and {CI_CONFIDENCE:.0%} bootstrap "
+        "confidence interval of the mean, shown as \u00b1 half its width and as error bars)"
+        if view.has_repeats
+        else ""
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 {GENERATOR_META}
@@ -143,12 +164,15 @@ def render_report(res: Results, title: str, source: str = "") -> str:
 </head><body>
 <h1>kvbench report: {escape(title)}</h1>
 {_mode_banner(runs)}
-<p class="sub">{len(runs)} runs ({num_failed} failed) from {escape(source)}, generated {stamp}.
-Runs are labelled by what varies: {escape(", ".join(varying_config_columns(runs)) or "nothing (one configuration)")}.</p>
-<h2>Summary</h2>
-{_summary_table(runs)}
+<p class="sub">{len(runs)} runs ({num_failed} failed){escape(pooled)} from {escape(source)}, generated {stamp}.
+Runs are labelled by what was chosen: {escape(labelled_by)}; all {num_varying} parameters that vary are
+under <a href="#parameters">Parameters</a>.</p>
+<h2 id="summary">Summary</h2>
+{_summary_table(view)}
 <h2>Plots</h2>
 {plot_html or "<p>No completed run to plot.</p>"}
+<h2 id="parameters">Parameters</h2>
+{_parameters_table(runs, view)}
 <h2>Environment</h2>
 {_environment_table(runs)}
 <h2>Configuration</h2>
@@ -194,10 +218,27 @@ def _has(ok: pd.DataFrame, column: str) -> bool:
 
 
 # --------------------------------------------------------------------------- plots
+def _error_bars(ok: pd.DataFrame, column: str) -> dict[str, object] | None:
+    """Plotly error bars from the pooled repeats' confidence interval of ``column``; None
+    when no configuration has one (single runs, or deterministic metrics)."""
+    low, high = ok.get(f"{column}.ci_low"), ok.get(f"{column}.ci_high")
+    if low is None or high is None or not np.isfinite(low.to_numpy(dtype=float)).any():
+        return None
+    return {
+        "type": "data",
+        "symmetric": False,
+        "array": (high - ok[column]).fillna(0).to_numpy(),
+        "arrayminus": (ok[column] - low).fillna(0).to_numpy(),
+    }
+
+
+def _bar(ok: pd.DataFrame, column: str, name: str, **style: object) -> go.Bar:
+    """One bar per configuration: the mean over its repeats, with their CI as error bars."""
+    return go.Bar(x=ok["label"], y=ok[column], name=name, error_y=_error_bars(ok, column), **style)
+
+
 def _bars(ok: pd.DataFrame, columns: Sequence[str], names: Sequence[str], **layout: object) -> go.Figure:
-    fig = go.Figure(
-        [go.Bar(x=ok["label"], y=ok[c], name=n) for c, n in zip(columns, names) if c in ok],
-    )
+    fig = go.Figure([_bar(ok, c, n) for c, n in zip(columns, names) if c in ok])
     fig.update_layout(barmode="group", height=420, margin={"t": 30}, **layout)
     return fig
 
@@ -206,27 +247,59 @@ def _throughput_latency(res: Results, ok: pd.DataFrame) -> go.Figure | None:
     if not _has(ok, "output_tokens_per_s"):
         return None
     fig = make_subplots(rows=1, cols=2, subplot_titles=("output tokens/s", "TPOT (ms)"))
-    fig.add_trace(go.Bar(x=ok["label"], y=ok["output_tokens_per_s"], name="output tokens/s"), row=1, col=1)
+    fig.add_trace(_bar(ok, "output_tokens_per_s", "output tokens/s"), row=1, col=1)
     for stat in ("median", "p99"):
         column = f"tpot_ms_{stat}"
         if column in ok:
-            fig.add_trace(go.Bar(x=ok["label"], y=ok[column], name=f"TPOT {stat}"), row=1, col=2)
+            fig.add_trace(_bar(ok, column, f"TPOT {stat}"), row=1, col=2)
     fig.update_layout(barmode="group", height=440, margin={"t": 40})
     return fig
 
 
+LATENCY_CDFS: tuple[tuple[str, str], ...] = (
+    ("ttft_ms", "TTFT (ms)"),
+    ("tpot_ms", "TPOT (ms)"),
+    ("e2el_ms", "E2E latency (ms)"),
+)
+CDF_ROW_HEIGHT_PX = 230
+
+
 def _latency_cdfs(res: Results, ok: pd.DataFrame) -> go.Figure | None:
-    if res.requests.empty:
+    """CDFs of each configuration's requests (repeats pooled). Up to SMALL_MULTIPLES_AT
+    configurations share one panel per latency; beyond, small multiples: one row of
+    panels per value of the first label part (e.g. workload=chat), one line per value of
+    the rest (e.g. prefix_cache=radix), colours and legend shared by the rows."""
+    if res.requests.empty or ok.empty:
         return None
-    kinds = ("ttft_ms", "tpot_ms", "e2el_ms")
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("TTFT (ms)", "TPOT (ms)", "E2E latency (ms)"))
+    parts = ok["label"].str.split("<br>", n=1)
+    if len(ok) > SMALL_MULTIPLES_AT:
+        facets = parts.str[0]
+        lines = parts.map(lambda p: p[1] if len(p) > 1 else p[0])
+    else:
+        facets = pd.Series("", index=ok.index)
+        lines = ok["label"]
+    facet_names = list(dict.fromkeys(facets))
+    line_names = list(dict.fromkeys(lines))
+    num_rows = len(facet_names)
+    titles = [f"{kind}: {facet}" if facet else kind for facet in facet_names for _, kind in LATENCY_CDFS]
+    height = CDF_ROW_HEIGHT_PX * num_rows + 80
+    fig = make_subplots(
+        rows=num_rows,
+        cols=len(LATENCY_CDFS),
+        subplot_titles=[t.replace("<br>", " ") for t in titles],
+        vertical_spacing=min(0.3, 90 / height) if num_rows > 1 else 0.0,
+        horizontal_spacing=0.06,
+    )
     drawn = False
-    for i, (_, run) in enumerate(ok.iterrows()):
-        requests = res.requests[res.requests["run_id"] == run["run_id"]]
+    shown: set[str] = set()
+    for (_, run), facet, line in zip(ok.iterrows(), facets, lines):
+        requests = res.requests[res.requests["run_id"].isin(run["run_ids"])]
         if requests.empty:
             continue
         latencies = metrics.per_request(requests)
-        for col, kind in enumerate(kinds, start=1):
+        row = facet_names.index(facet) + 1
+        color = _color(line_names.index(line))
+        for col, (kind, _) in enumerate(LATENCY_CDFS, start=1):
             values = np.sort(latencies[kind].dropna().to_numpy())
             if values.size == 0:
                 continue
@@ -237,16 +310,22 @@ def _latency_cdfs(res: Results, ok: pd.DataFrame) -> go.Figure | None:
                     y=np.arange(1, values.size + 1) / values.size,
                     mode="lines",
                     line_shape="hv",
-                    name=run["label"],
-                    legendgroup=run["label"],
-                    showlegend=col == 1,
-                    line={"color": _color(i)},
+                    name=line,
+                    legendgroup=line,
+                    showlegend=line not in shown,
+                    line={"color": color},
                 ),
-                row=1,
+                row=row,
                 col=col,
             )
-    fig.update_yaxes(title_text="fraction of requests", row=1, col=1)
-    fig.update_layout(height=420, margin={"t": 40})
+            shown.add(line)
+    for row in range(2, num_rows + 1):  # one latency scale per column, comparable down it
+        for col in range(1, len(LATENCY_CDFS) + 1):
+            fig.update_xaxes(matches=f"x{col if col > 1 else ''}", row=row, col=col)
+    fig.update_yaxes(range=[0, 1.02])
+    fig.update_yaxes(title_text="fraction of requests", col=1)
+    fig.update_annotations(font_size=12)
+    fig.update_layout(height=height, margin={"t": 40})
     return fig if drawn else None
 
 
@@ -322,12 +401,9 @@ def _prefix(res: Results, ok: pd.DataFrame) -> go.Figure | None:
         return None
     fig = make_subplots(rows=1, cols=2, subplot_titles=("prefix hit rate (tokens)", "TTFT median (ms)"))
     for i, (column, name) in enumerate(rates):
-        fig.add_trace(
-            go.Bar(x=ok["label"], y=ok[column], name=name, marker={"color": _color(i)}), row=1, col=1
-        )
-    fig.add_trace(
-        go.Bar(x=ok["label"], y=ok.get("ttft_ms_median"), name="TTFT median", showlegend=False), row=1, col=2
-    )
+        fig.add_trace(_bar(ok, column, name, marker={"color": _color(i)}), row=1, col=1)
+    if "ttft_ms_median" in ok:
+        fig.add_trace(_bar(ok, "ttft_ms_median", "TTFT median", showlegend=False), row=1, col=2)
     fig.update_yaxes(range=[0, 1], row=1, col=1)
     fig.update_layout(barmode="group", height=420, margin={"t": 40}, showlegend=len(rates) > 1)
     return fig
@@ -515,27 +591,38 @@ def _request_hover(requests: pd.DataFrame) -> list[str]:
         cached = requests["num_cached_tokens"]
     else:
         cached = pd.Series(math.nan, index=requests.index)
+    tokens = summary_column("num_cached_prompt_tokens")
     return [
-        escape(f"request {rid}: {_fmt('tokens', n)} prompt tokens, {_fmt('tokens', hit)} cached")
+        escape(f"request {rid}: {format_value(tokens, n)} prompt tokens, {format_value(tokens, hit)} cached")
         for rid, n, hit in zip(requests["request_id"], requests["num_prompt_tokens"], cached)
     ]
 
 
 PlotBuilder = Callable[[Results, pd.DataFrame], "go.Figure | None"]
-PLOTS: tuple[tuple[str, PlotBuilder], ...] = (
-    ("Throughput and time per output token", _throughput_latency),
-    ("Latency distributions (CDF over completed requests)", _latency_cdfs),
-    ("Live server: KV usage and queue over time, beside the request latencies", _server_timeline),
-    ("Live server: request latency against cached prompt tokens", _cached_tokens_latency),
-    ("KV memory over time (dotted: token state, click the legend)", _kv_over_time),
-    ("Where the KV memory goes (PagedAttention Fig. 2 split)", _waste),
-    ("Concurrency reached under the KV budget", _concurrency),
-    ("Prefix cache", _prefix),
-    ("Memory saved by sharing (parallel sampling, beams)", _sharing),
-    ("Decode efficiency against the memory-bandwidth roofline", _roofline),
-    ("Quality against memory", _quality_vs_memory),
-    ("Process memory samples", _process_memory),
+# (key, title, builder); an experiment's ``headline.plot`` names a key and that plot comes first.
+PLOTS: tuple[tuple[str, str, PlotBuilder], ...] = (
+    ("throughput", "Throughput and time per output token", _throughput_latency),
+    ("latency_cdf", "Latency distributions (CDF over completed requests)", _latency_cdfs),
+    (
+        "server_timeline",
+        "Live server: KV usage and queue over time, beside the request latencies",
+        _server_timeline,
+    ),
+    (
+        "server_cached_tokens",
+        "Live server: request latency against cached prompt tokens",
+        _cached_tokens_latency,
+    ),
+    ("kv_over_time", "KV memory over time (dotted: token state, click the legend)", _kv_over_time),
+    ("kv_waste", "Where the KV memory goes (PagedAttention Fig. 2 split)", _waste),
+    ("concurrency", "Concurrency reached under the KV budget", _concurrency),
+    ("prefix_cache", "Prefix cache", _prefix),
+    ("sharing", "Memory saved by sharing (parallel sampling, beams)", _sharing),
+    ("roofline", "Decode efficiency against the memory-bandwidth roofline", _roofline),
+    ("quality_memory", "Quality against memory", _quality_vs_memory),
+    ("process_memory", "Process memory samples", _process_memory),
 )
+PLOT_KEYS: tuple[str, ...] = tuple(key for key, _, _ in PLOTS)
 
 
 def _color(i: int) -> str:
@@ -544,52 +631,74 @@ def _color(i: int) -> str:
 
 
 # --------------------------------------------------------------------------- tables
-def _fmt(column: str, value: object) -> str:
-    if _is_nan(value):
-        return "-"
-    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        number = float(value)
-        if column.endswith("_bytes"):
-            return _fmt_bytes(number)
-        if number.is_integer() and abs(number) < 1e15:
-            return f"{int(number):,}"
-        return f"{number:.4g}"
-    return str(value)
+def _summary_table(view: SummaryView) -> str:
+    """The first-screen table (label, status, the headline-first columns), the failed runs'
+    errors, then every summary metric in a scrolling table under a collapsed heading."""
+    lead = _metric_table(view, view.first)
+    notes = []
+    if view.unknown_headline:
+        notes.append("Headline metric(s) no run recorded: " + ", ".join(view.unknown_headline) + ".")
+    if view.rest:
+        notes.append(f"{len(view.rest)} more metrics in the full table below.")
+    errors = [
+        f"<li><b>{escape(row.label)}</b>: {escape('; '.join(row.errors))}</li>"
+        for row in view.rows
+        if row.errors
+    ]
+    full = _metric_table(view, (*view.first, *view.rest), raw_names=True)
+    return (
+        lead
+        + "".join(f'<p class="note">{escape(note)}</p>' for note in notes)
+        + (f'<ul class="errors">{"".join(errors)}</ul>' if errors else "")
+        + f"<details><summary>All summary metrics ({len(view.first) + len(view.rest)} columns, "
+        "catalogue names)</summary>" + full + "</details>"
+    )
 
 
-def _fmt_bytes(number: float) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(number) >= scale:
-            return f"{number / scale:.3g} {unit}"
-    return f"{int(number)} B"
-
-
-def _summary_table(runs: pd.DataFrame) -> str:
-    config = varying_config_columns(runs) or [c for c in ("engine",) if c in runs]
-    quality = sorted(c for c in runs.columns if c.startswith("quality_"))
-    present = [c for c in (*SUMMARY_METRICS, *quality) if c in runs and runs[c].notna().any()]
-    columns = ["run_id", "status", *config, *present]
-    head = "".join(f"<th>{escape(c)}</th>" for c in [*columns, "error"])
+def _metric_table(view: SummaryView, columns: Sequence[SummaryColumn], raw_names: bool = False) -> str:
+    """One row per configuration; a header names the metric (short, or its catalogue name)
+    with its unit and carries its definition on hover; a NaN cell says why on hover."""
+    repeats = view.has_repeats
+    head = ["<th>run</th>", "<th>status</th>", *(["<th>runs</th>"] if repeats else [])]
+    for c in columns:
+        text = f"{c.metric} ({c.unit})" if raw_names and c.unit else c.metric if raw_names else c.header
+        head.append(f'<th title="{escape(c.definition)}">{escape(text)}</th>')
     body = []
-    for _, row in runs.iterrows():
-        cells = []
+    for row in view.rows:
+        cells = [f'<td class="label">{escape(row.label)}</td>', f'<td class="text">{escape(row.status)}</td>']
+        if repeats:
+            cells.append(f'<td class="num">{len(row.run_ids)}</td>')
         for c in columns:
-            value = row.get(c)
-            text = escape(_fmt(c, value))
-            if c in present and _is_nan(value):
-                reason = row.get(f"missing.{c}")
-                if row.get("status") == "failed":
-                    reason = "the run failed"
-                title = escape(reason if isinstance(reason, str) else "not measured")
-                cells.append(f'<td class="nan" title="{title}">{text}</td>')
-            else:
-                kind = "text" if c in ("run_id", "status", *config) else "num"
-                cells.append(f'<td class="{kind}">{text}</td>')
-        error = row.get("error")
-        cells.append(f'<td class="text">{escape(str(error)) if isinstance(error, str) else ""}</td>')
-        status = "failed" if row.get("status") == "failed" else "ok"
+            cell = row.cells[c.metric]
+            note = cell_note(c, cell)
+            title = f' title="{escape(note)}"' if note else ""
+            kind = "nan" if cell.num_values == 0 else "num"
+            cells.append(f'<td class="{kind}"{title}>{escape(format_cell(c, cell))}</td>')
+        status = "failed" if row.num_ok == 0 else "ok"
         body.append(f'<tr class="{status}">{"".join(cells)}</tr>')
-    return f'<div class="scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>'
+    return f'<div class="scroll"><table><tr>{"".join(head)}</tr>{"".join(body)}</table></div>'
+
+
+def _parameters_table(runs: pd.DataFrame, view: SummaryView) -> str:
+    """Every config column that varies (derived workload parameters included), one row per
+    configuration, in a collapsed, scrolling table."""
+    columns = [c for c in varying_config_columns(runs) if c != REPEAT_COLUMN]
+    if not columns:
+        return "<p>Every run has the same configuration (see Configuration).</p>"
+    first = runs.drop_duplicates("run_id").set_index(runs["run_id"].astype(str))
+    head = "".join(f"<th>{escape(c)}</th>" for c in ["run", *columns])
+    body = "".join(
+        f'<tr><td class="label">{escape(row.label)}</td>'
+        + "".join(
+            f'<td class="text">{escape(plain_value(first.at[row.run_ids[0], c]))}</td>' for c in columns
+        )
+        + "</tr>"
+        for row in view.rows
+    )
+    return (
+        f"<details><summary>{len(columns)} parameters vary between runs</summary>"
+        f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div></details>'
+    )
 
 
 def _environment_table(runs: pd.DataFrame) -> str:

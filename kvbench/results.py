@@ -99,6 +99,7 @@ FLATTENED_META: dict[str, str] = {
     "environment": "env",
     "missing": "missing",
     "server": "server",  # a live server's reported KV cache configuration (server_facts)
+    "run": "run",  # run options that change what is measured (device, dtype, threads, repeat)
 }
 
 
@@ -698,36 +699,125 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------- run labels
+# The presets a user picks by name; a column that varies only together with them (a
+# workload preset's derived workload_params.*, an engine preset's defaults) is not a choice.
+PRESET_COLUMNS: dict[str, str] = {
+    "engine": "engine",
+    "workload": "workload",
+    "model.name": "model",
+    "hardware.name": "hardware",
+    "mode": "run.mode",
+}
+# A job's repeat index (``run.repeat``): repeats of one configuration share its label.
+REPEAT_COLUMN = "run.repeat"
+# Config-column prefixes as the override a user types: workload_params.x is workload.x.
+_OVERRIDE_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("workload_params.", "workload."),
+    ("engine.", "engine."),
+    ("model.", "model."),
+    ("hardware.", "hardware."),
+    ("run.", "run."),
+    ("slo.", "slo."),
+)
+
+
 def config_columns(runs: pd.DataFrame) -> list[str]:
     """Columns of ``runs`` that describe configuration (engine, engine.*, model.*, ...)."""
     return [c for c in runs.columns if c in CONFIG_COLUMNS or c.startswith(CONFIG_PREFIXES)]
 
 
 def varying_config_columns(runs: pd.DataFrame) -> list[str]:
-    """Config columns whose value differs between runs (what a sweep varied)."""
+    """Config columns whose value differs between runs (what a sweep varied, repeats included)."""
     return [c for c in config_columns(runs) if runs[c].map(plain_value).nunique(dropna=False) > 1]
 
 
-def run_labels(runs: pd.DataFrame) -> pd.Series:
-    """A unique readable label per run from its varying config values, e.g. "engine=paged block_size=16".
+def label_columns(runs: pd.DataFrame) -> list[str]:
+    """The config columns that name what the user chose between runs: the presets that
+    differ (engine, workload, model.name, hardware.name, mode), then every other column
+    that differs between runs of the same presets (an override typed for the sweep, e.g.
+    ``engine.block_size`` or ``seed``). Columns that only follow a preset (the ~30
+    ``workload_params.*`` of four workload presets) and the repeat index are left out."""
+    varying = [c for c in varying_config_columns(runs) if c != REPEAT_COLUMN]
+    presets = [c for c in PRESET_COLUMNS if c in runs]
+    text = runs[varying].map(plain_value) if varying else runs.iloc[:, :0]
+    if presets:
+        groups = runs[presets].map(plain_value).apply(tuple, axis=1)
+    else:
+        groups = pd.Series([()] * len(runs), index=runs.index)
+    chosen = [c for c in varying if c in PRESET_COLUMNS]
+    for c in varying:
+        if c not in PRESET_COLUMNS and (text[c].groupby(groups).nunique(dropna=False) > 1).any():
+            chosen.append(c)
+    return chosen
 
-    Falls back to run_id when nothing varies; duplicates get their run_id appended.
+
+def label_names(columns: list[str]) -> dict[str, str]:
+    """How each label column is written in a label: presets by their group name
+    (``model``), other columns without their section (``block_size``), or as the typed
+    override (``engine.block_size``) where two short names would clash."""
+    short = {c: PRESET_COLUMNS.get(c, "").split(".")[-1] or _without_section(c) for c in columns}
+    clashing = {name for name in short.values() if list(short.values()).count(name) > 1}
+    return {c: (_override_key(c) if short[c] in clashing else short[c]) for c in columns}
+
+
+def _without_section(column: str) -> str:
+    for prefix, _ in _OVERRIDE_PREFIXES:
+        if column.startswith(prefix):
+            return column[len(prefix) :]
+    return column
+
+
+def _override_key(column: str) -> str:
+    """The Hydra override key of a config column: workload_params.x -> workload.x, mode -> run.mode."""
+    if column in PRESET_COLUMNS:
+        return PRESET_COLUMNS[column]
+    for prefix, typed in _OVERRIDE_PREFIXES:
+        if column.startswith(prefix):
+            return typed + column[len(prefix) :]
+    return column
+
+
+def configuration_keys(runs: pd.DataFrame) -> pd.Series:
+    """One key per run naming its configuration pool: the repeats of one configuration
+    (the same config columns, ``run.repeat`` aside, and distinct repeat indices) share a
+    key; every other run gets its own (the same configuration run twice without repeats,
+    e.g. two sweeps loaded together, stays two runs)."""
+    columns = [c for c in config_columns(runs) if c != REPEAT_COLUMN]
+    config = runs[columns].map(plain_value).apply("|".join, axis=1) if columns else runs["run_id"].astype(str)
+    keys = config.copy()
+    repeat = runs[REPEAT_COLUMN].map(plain_value) if REPEAT_COLUMN in runs else None
+    for key, members in config.groupby(config).groups.items():
+        pooled = repeat is not None and (repeat[members] != "").all() and repeat[members].is_unique
+        if not pooled and len(members) > 1:
+            keys[members] = [f"{key}|{run_id}" for run_id in runs.loc[members, "run_id"].astype(str)]
+    return keys
+
+
+def run_labels(runs: pd.DataFrame, sep: str = " ") -> pd.Series:
+    """A readable label per run from what the user chose (``label_columns``), e.g.
+    "workload=chat prefix_cache=radix"; parts joined by ``sep``.
+
+    Repeats of one configuration share its label. Falls back to run_id when nothing was
+    chosen; configurations that would share a label get their first run id appended.
     """
-    varying = varying_config_columns(runs)
-    if varying:
+    columns = label_columns(runs)
+    names = label_names(columns)
+    keys = configuration_keys(runs)
+    first_run = runs["run_id"].astype(str).groupby(keys).transform("first")
+    if columns:
         labels = pd.Series(
             [
-                " ".join(
-                    f"{c.split('.')[-1]}={plain_value(row[c])}" for c in varying if plain_value(row[c]) != ""
-                )
-                for _, row in runs.iterrows()
+                sep.join(f"{names[c]}={plain_value(row[c])}" for c in columns if plain_value(row[c]) != "")
+                or str(first)
+                for (_, row), first in zip(runs.iterrows(), first_run)
             ],
             index=runs.index,
         )
     else:
-        labels = runs["run_id"].astype(str)
-    duplicated = labels.duplicated(keep=False)
-    return labels.where(~duplicated, labels + " [" + runs["run_id"].astype(str) + "]")
+        labels = first_run.copy()
+    # Distinct configurations behind one label: tell them apart by their first run id.
+    clash = labels.groupby(labels).transform(lambda group: keys[group.index].nunique() > 1)
+    return labels.where(~clash.astype(bool), labels + " [" + first_run + "]")
 
 
 def plain_value(value: Any) -> str:

@@ -22,6 +22,14 @@ from omegaconf import DictConfig
 from kvbench import results
 from kvbench.config import ConfigError, validate_config
 from kvbench.execute import RunOutcome, config_hash, execute, run_id_for
+from kvbench.summary_view import (
+    CI_CONFIDENCE,
+    RUN_LINE_METRICS,
+    column,
+    format_cell,
+    format_value,
+    summary_view,
+)
 
 
 def run_job(cfg: DictConfig) -> RunOutcome:
@@ -123,13 +131,10 @@ def _print_outcome(outcome: RunOutcome) -> None:
         print(f"kvbench: run FAILED: {outcome.run_dir}\n  {outcome.error}", file=sys.stderr)
         return
     s = outcome.summary
-    keys = [
-        ("output_tokens_per_s", "{:.1f} tok/s"),
-        ("tpot_ms_mean", "TPOT {:.2f} ms"),
-        ("ttft_ms_mean", "TTFT {:.1f} ms"),
-        ("kv_peak_allocated_bytes", "peak KV {:,.0f} B"),
-    ]
-    shown = ", ".join(fmt.format(s[k]) for k, fmt in keys if k in s and s[k] == s[k])
+    # The summary's own headers and formats (kvbench.summary_view), so a run's line reads
+    # like its row in the sweep summary and the report.
+    columns = [column(k, [s[k]]) for k in RUN_LINE_METRICS if k in s and s[k] == s[k]]
+    shown = ", ".join(f"{c.header} {format_value(c, s[c.metric])}" for c in columns)
     print(f"kvbench: run ok: {outcome.run_dir}" + (f"  ({shown})" if shown else ""))
 
 
@@ -199,42 +204,32 @@ def _names_to_check(config: DictConfig) -> list[tuple[str, object]]:
     return names
 
 
-# What a sweep prints side by side at the end (the full table is in runs.parquet/csv).
-SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("kv_bytes_per_token", "KV B/token", "{:,.0f}"),
-    ("kv_peak_allocated_bytes", "peak KV B", "{:,.0f}"),
-    ("kv_token_fraction_mean", "KV token frac", "{:.3f}"),
-    ("peak_num_running", "peak seqs", "{:.0f}"),
-    ("output_tokens_per_s", "tok/s", "{:,.1f}"),
-    ("ttft_ms_mean", "TTFT ms", "{:,.1f}"),
-    ("tpot_ms_mean", "TPOT ms", "{:,.2f}"),
-    ("prefix_hit_rate", "prefix hit", "{:.3f}"),
-)
-
-
 def print_sweep_summary(sweep_dir: Path) -> None:
-    """A rich table of the sweep's runs, labelled by what varies, key metrics side by side."""
+    """A rich table of the sweep: the report's first-screen summary (``summary_view``: the
+    same labels, headline-first columns with units, statistics, pooled repeats and
+    formats); every metric is in runs.parquet/csv and the report."""
     from rich.console import Console
     from rich.table import Table
 
     runs = results.load(sweep_dir).runs
     if runs.empty:
         return
-    # The run id is the job's own overrides plus a config hash; label each run by the
-    # overrides that differ between runs.
-    parts = [tuple(str(r).rsplit("-", 1)[0].split(",")) for r in runs["run_id"]]
-    common = set.intersection(*(set(p) for p in parts)) if len(parts) > 1 else set()
-    labels = [",".join(x for x in p if x not in common) or ",".join(p) for p in parts]
-    table = Table(title=f"sweep {sweep_dir.name}: {len(runs)} runs")
-    table.add_column("run", overflow="fold")
-    table.add_column("status")
-    shown = [(col, head, fmt) for col, head, fmt in SUMMARY_COLUMNS if col in runs]
-    for _, head, _ in shown:
-        table.add_column(head, justify="right")
-    for (_, row), label in zip(runs.iterrows(), labels):
-        cells = []
-        for col, _, fmt in shown:
-            value = row[col]
-            cells.append("-" if value is None or value != value else fmt.format(value))
-        table.add_row(str(label), str(row.get("status", "")), *cells)
+    view = summary_view(runs)
+    title = f"sweep {sweep_dir.name}: {len(runs)} runs"
+    if view.has_repeats:
+        title += (
+            f" in {len(view.rows)} configurations (mean \u00b1 half the {CI_CONFIDENCE:.0%} bootstrap CI)"
+        )
+    table = Table(title=title)
+    # Labels never wrap (they are short by construction); the headers wrap at spaces.
+    table.add_column("run", no_wrap=True, min_width=max(len(row.label) for row in view.rows))
+    table.add_column("status", no_wrap=True)
+    if view.has_repeats:
+        table.add_column("runs", justify="right")
+    for metric_column in view.first:
+        table.add_column(metric_column.header, justify="right")
+    for row in view.rows:
+        repeats = [str(len(row.run_ids))] if view.has_repeats else []
+        cells = [format_cell(c, row.cells[c.metric]) for c in view.first]
+        table.add_row(row.label, row.status, *repeats, *cells)
     Console(width=160).print(table)
