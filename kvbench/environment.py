@@ -1,4 +1,5 @@
-"""What a run was measured on: library versions, CPU, GPU, driver, git revision.
+"""What a run was measured on: library versions, CPU, GPU, driver, git revision, and how
+fast the machine was right before the run (``kvbench.probe``).
 
 ``collect_environment()`` returns a flat JSON-serialisable dict stored with every run.
 Unknown values are None, never guesses. Every CUDA call is behind
@@ -14,6 +15,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from kvbench.probe import probe_facts
 
 # Distribution names whose versions are recorded (key in the result -> distribution).
 _DISTRIBUTIONS = {
@@ -144,10 +147,13 @@ def collect_environment() -> dict[str, Any]:
     recorded distribution (torch, triton, numpy, pandas, pyarrow, hydra, omegaconf,
     plotly, nvidia_ml_py, kvbench; None when not installed), the ``cuda_*`` facts
     (device name, capability, memory, driver, runtime; None / False without CUDA),
-    ``git_revision`` and ``git_dirty`` of the repository holding this package.
+    ``git_revision`` and ``git_dirty`` of the repository holding this package, and the
+    machine-speed probe (``kvbench.probe.probe_facts``: ``probe_compute_gflops``,
+    ``probe_memory_gbps``, ``probe_python_mops``, ``probe_cuda_tflops``, ``load_average_1m``).
 
-    Side effects: imports torch, runs two short git subprocesses, and on CUDA
-    initialises NVML briefly. Does not raise for missing optional pieces.
+    Side effects: imports torch, runs two short git subprocesses, runs the probe (~0.15 s
+    of CPU work, see kvbench.probe), and on CUDA initialises NVML briefly. Does not raise
+    for missing optional pieces.
     """
     import torch
 
@@ -166,4 +172,5 @@ def collect_environment() -> dict[str, Any]:
     env.update(_cuda_facts())
     env["git_revision"] = git_revision()
     env["git_dirty"] = git_dirty() if env["git_revision"] is not None else None
+    env.update(probe_facts())
     return env

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from kvbench.hashing import block_contents, block_terms, chain_start
+from kvbench.hashing import prompt_block_keys
 
 if TYPE_CHECKING:
     from kvbench.types import Request
@@ -79,27 +79,70 @@ class MetricsError(ValueError):
     """Raw records that cannot be summarised; the message names the frame and column."""
 
 
+# Where a metric's value comes from, which decides how ``kvbench compare`` judges a change
+# (``is_timed``): exactly (within a gate's threshold) when the value is a function of the
+# workload, engine and config; with repeats and a bootstrap interval when it is timed.
+CONFIG = "config"  # a function of the workload, engine and config in every mode
+# A function of the engine's schedule (KV state, hit rates, preemptions, concurrency):
+# deterministic when the schedule is (sim mode; real mode with offline arrivals on
+# kvbench's own engines), timed when arrivals follow the wall clock or a live server
+# schedules on its own.
+SCHEDULE = "schedule"
+# Read off the run's clock (latencies, throughputs, step durations, duration-weighted
+# means): the simulated clock in sim mode (deterministic), the wall clock in real mode.
+CLOCK = "clock"
+# A measurement of the machine in every mode (sampled process memory, CUDA-event copy
+# timings, a live server's own counters): always timed.
+HOST = "host"
+METRIC_SOURCES: tuple[str, ...] = (CONFIG, SCHEDULE, CLOCK, HOST)
+
+
 @dataclass(frozen=True)
 class MetricDoc:
-    """One documented metric. ``better`` is "lower", "higher" or "" (informational)."""
+    """One documented metric. ``better`` is "lower", "higher" or "" (informational);
+    ``source`` is one of METRIC_SOURCES."""
 
     name: str
     unit: str
     better: str
     definition: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.source not in METRIC_SOURCES:
+            raise ValueError(
+                f"metric {self.name}: source must be one of {METRIC_SOURCES}, got {self.source!r}"
+            )
+
+
+def is_timed(source: str, *, simulated: bool, wall_clock_schedule: bool) -> bool:
+    """Whether a metric of ``source`` (METRIC_SOURCES) varies from run to run of one
+    configuration, so that judging a change needs repeats.
+
+    ``simulated``: the run used the simulated clock (``mode: sim``). ``wall_clock_schedule``:
+    in real mode, the engine's schedule depends on when things happen (arrivals other than
+    offline, a closed loop, a live server); ignored in sim mode. Pure.
+    """
+    if source == CONFIG:
+        return False
+    if source == HOST:
+        return True
+    if simulated:
+        return False
+    return source == CLOCK or wall_clock_schedule
 
 
 def _latency_docs() -> list[MetricDoc]:
     docs = []
     for kind, definition in LATENCY_KINDS.items():
         for stat in LATENCY_STATS:
-            docs.append(MetricDoc(f"{kind}_ms_{stat}", "ms", "lower", f"{stat} of {definition}"))
+            docs.append(MetricDoc(f"{kind}_ms_{stat}", "ms", "lower", f"{stat} of {definition}", CLOCK))
     return docs
 
 
 def _memory_docs() -> list[MetricDoc]:
     return [
-        MetricDoc(f"mem_peak_{col}", "bytes", "lower", f"maximum sampled {col} (memory frame)")
+        MetricDoc(f"mem_peak_{col}", "bytes", "lower", f"maximum sampled {col} (memory frame)", HOST)
         for col in MEMORY_COLUMNS
     ]
 
@@ -114,24 +157,28 @@ SERVER_METRICS: tuple[MetricDoc, ...] = (
         "",
         "live server: prompt tokens it looked up in its prefix cache during the run (vLLM "
         "vllm:prefix_cache_queries_total, last - first scrape)",
+        HOST,
     ),
     MetricDoc(
         "server_prefix_hit_tokens",
         "tokens",
         "higher",
         "live server: of those, tokens found cached (vLLM vllm:prefix_cache_hits_total, last - first scrape)",
+        HOST,
     ),
     MetricDoc(
         "server_prefix_hit_rate",
         "fraction",
         "higher",
         "live server: server_prefix_hit_tokens / server_prefix_query_tokens",
+        HOST,
     ),
     MetricDoc(
         "server_num_preemptions",
         "count",
         "lower",
         "live server: preemptions during the run (vLLM vllm:num_preemptions_total, last - first scrape)",
+        HOST,
     ),
     MetricDoc(
         "server_kv_usage_peak",
@@ -139,6 +186,7 @@ SERVER_METRICS: tuple[MetricDoc, ...] = (
         "",
         "live server: maximum scraped KV pool usage (vLLM vllm:kv_cache_usage_perc, SGLang "
         "sglang:token_usage, llama.cpp llamacpp:kv_cache_usage_ratio; 0..1)",
+        HOST,
     ),
     MetricDoc(
         "server_kv_usage_mean",
@@ -146,18 +194,21 @@ SERVER_METRICS: tuple[MetricDoc, ...] = (
         "",
         "live server: time-weighted mean of the scraped KV pool usage (each scrape's value held "
         "until the next scrape)",
+        HOST,
     ),
     MetricDoc(
         "server_num_running_peak",
         "count",
         "higher",
         "live server: maximum scraped number of running requests",
+        HOST,
     ),
     MetricDoc(
         "server_num_waiting_peak",
         "count",
         "lower",
         "live server: maximum scraped number of queued (waiting) requests",
+        HOST,
     ),
     MetricDoc(
         "server_num_counter_resets",
@@ -165,41 +216,52 @@ SERVER_METRICS: tuple[MetricDoc, ...] = (
         "lower",
         "live server: scrapes at which a cumulative counter fell (the server restarted); the "
         "counter deltas above are then NaN",
+        HOST,
     ),
     MetricDoc(
         "server_num_scrape_errors",
         "count",
         "lower",
         "live server: scrapes of /metrics that failed (unreachable, HTTP error, not Prometheus text)",
+        HOST,
     ),
 )
 
 METRICS: tuple[MetricDoc, ...] = (
-    MetricDoc("num_requests", "count", "", "requests in the workload"),
-    MetricDoc("num_completed", "count", "higher", "requests that finished (not rejected, finite finish_s)"),
-    MetricDoc("num_rejected", "count", "lower", "requests with a non-empty rejected_reason"),
+    MetricDoc("num_requests", "count", "", "requests in the workload", CONFIG),
     MetricDoc(
-        "num_unfinished", "count", "lower", "requests neither rejected nor finished when the run ended"
+        "num_completed", "count", "higher", "requests that finished (not rejected, finite finish_s)", SCHEDULE
+    ),
+    MetricDoc("num_rejected", "count", "lower", "requests with a non-empty rejected_reason", SCHEDULE),
+    MetricDoc(
+        "num_unfinished",
+        "count",
+        "lower",
+        "requests neither rejected nor finished when the run ended",
+        SCHEDULE,
     ),
     MetricDoc(
         "benchmark_duration_s",
         "s",
         "",
         "first arrival_s of any request to the last finish_s of a completed request",
+        CLOCK,
     ),
-    MetricDoc("requests_per_s", "1/s", "higher", "num_completed / benchmark_duration_s"),
+    MetricDoc("requests_per_s", "1/s", "higher", "num_completed / benchmark_duration_s", CLOCK),
     MetricDoc(
         "output_tokens_per_s",
         "tokens/s",
         "higher",
         "sum of num_generated_tokens (every sample; num_output_tokens when absent) of completed "
         "requests / benchmark_duration_s",
+        CLOCK,
     ),
     MetricDoc(
         "total_tokens_per_s",
         "tokens/s",
         "higher",
         "(prompt + generated tokens of completed requests) / benchmark_duration_s",
+        CLOCK,
     ),
     MetricDoc(
         "goodput_requests_per_s",
@@ -207,19 +269,36 @@ METRICS: tuple[MetricDoc, ...] = (
         "higher",
         "completed requests meeting every SLO in meta['slo'] (ttft_ms, tpot_ms, e2el_ms; a request "
         "with one output token has no TPOT and passes that SLO) / benchmark_duration_s",
+        CLOCK,
     ),
     MetricDoc(
-        "slo_attained_fraction", "fraction", "higher", "completed requests meeting every SLO / completed"
+        "slo_attained_fraction",
+        "fraction",
+        "higher",
+        "completed requests meeting every SLO / completed",
+        CLOCK,
     ),
     *_latency_docs(),
-    MetricDoc("peak_num_running", "count", "higher", "maximum num_running over steps (concurrency reached)"),
-    MetricDoc("mean_num_running", "count", "higher", "duration-weighted mean of num_running over steps"),
-    MetricDoc("kv_capacity_bytes", "bytes", "", "maximum kv_capacity_bytes over steps (the KV pool budget)"),
-    MetricDoc("kv_peak_allocated_bytes", "bytes", "lower", "maximum kv_allocated_bytes over steps"),
-    MetricDoc("kv_mean_allocated_bytes", "bytes", "lower", "duration-weighted mean of kv_allocated_bytes"),
-    MetricDoc("kv_peak_token_bytes", "bytes", "", "maximum kv_token_bytes over steps"),
-    MetricDoc("kv_mean_token_bytes", "bytes", "", "duration-weighted mean of kv_token_bytes"),
-    MetricDoc("kv_peak_utilization", "fraction", "", "kv_peak_allocated_bytes / kv_capacity_bytes"),
+    MetricDoc(
+        "peak_num_running",
+        "count",
+        "higher",
+        "maximum num_running over steps (concurrency reached)",
+        SCHEDULE,
+    ),
+    MetricDoc(
+        "mean_num_running", "count", "higher", "duration-weighted mean of num_running over steps", CLOCK
+    ),
+    MetricDoc(
+        "kv_capacity_bytes", "bytes", "", "maximum kv_capacity_bytes over steps (the KV pool budget)", CONFIG
+    ),
+    MetricDoc("kv_peak_allocated_bytes", "bytes", "lower", "maximum kv_allocated_bytes over steps", SCHEDULE),
+    MetricDoc(
+        "kv_mean_allocated_bytes", "bytes", "lower", "duration-weighted mean of kv_allocated_bytes", CLOCK
+    ),
+    MetricDoc("kv_peak_token_bytes", "bytes", "", "maximum kv_token_bytes over steps", SCHEDULE),
+    MetricDoc("kv_mean_token_bytes", "bytes", "", "duration-weighted mean of kv_token_bytes", CLOCK),
+    MetricDoc("kv_peak_utilization", "fraction", "", "kv_peak_allocated_bytes / kv_capacity_bytes", SCHEDULE),
     MetricDoc(
         "kv_token_fraction_mean",
         "fraction",
@@ -228,41 +307,67 @@ METRICS: tuple[MetricDoc, ...] = (
         "kv_external_frag_bytes) * dt) over steps, dt = duration_s: the share of the KV memory the "
         "manager holds (allocated plus unusable holes; usable free memory excluded) that stores real "
         "token state",
+        CLOCK,
     ),
     MetricDoc(
         "kv_token_fraction_at_peak",
         "fraction",
         "higher",
         "kv_token_bytes / (kv_allocated_bytes + kv_external_frag_bytes) at the step of peak allocation",
+        SCHEDULE,
     ),
     MetricDoc(
         "kv_reserved_unused_bytes_mean",
         "bytes",
         "lower",
         "duration-weighted mean of slots reserved for tokens a sequence will still produce",
+        CLOCK,
     ),
     MetricDoc(
-        "kv_internal_frag_bytes_mean", "bytes", "lower", "duration-weighted mean of kv_internal_frag_bytes"
+        "kv_internal_frag_bytes_mean",
+        "bytes",
+        "lower",
+        "duration-weighted mean of kv_internal_frag_bytes",
+        CLOCK,
     ),
     MetricDoc(
-        "kv_external_frag_bytes_mean", "bytes", "lower", "duration-weighted mean of kv_external_frag_bytes"
+        "kv_external_frag_bytes_mean",
+        "bytes",
+        "lower",
+        "duration-weighted mean of kv_external_frag_bytes",
+        CLOCK,
     ),
     MetricDoc(
-        "kv_reserved_unused_bytes_at_peak", "bytes", "lower", "kv_reserved_unused_bytes at peak allocation"
+        "kv_reserved_unused_bytes_at_peak",
+        "bytes",
+        "lower",
+        "kv_reserved_unused_bytes at peak allocation",
+        SCHEDULE,
     ),
     MetricDoc(
-        "kv_internal_frag_bytes_at_peak", "bytes", "lower", "kv_internal_frag_bytes at peak allocation"
+        "kv_internal_frag_bytes_at_peak",
+        "bytes",
+        "lower",
+        "kv_internal_frag_bytes at peak allocation",
+        SCHEDULE,
     ),
     MetricDoc(
-        "kv_external_frag_bytes_at_peak", "bytes", "lower", "kv_external_frag_bytes at peak allocation"
+        "kv_external_frag_bytes_at_peak",
+        "bytes",
+        "lower",
+        "kv_external_frag_bytes at peak allocation",
+        SCHEDULE,
     ),
-    MetricDoc("kv_peak_host_bytes", "bytes", "", "maximum kv_host_bytes (KV resident in the host tier)"),
+    MetricDoc(
+        "kv_peak_host_bytes", "bytes", "", "maximum kv_host_bytes (KV resident in the host tier)", SCHEDULE
+    ),
     MetricDoc(
         "kv_sharing_saved_fraction",
         "fraction",
         "higher",
         "1 - sum(peak_kv_slots) / sum(peak_kv_slots_unshared) over completed requests: KV saved by "
         "sharing prompt/prefix blocks between samples or beams (PagedAttention Fig. 15)",
+        SCHEDULE,
     ),
     MetricDoc(
         "prefix_hit_rate",
@@ -271,6 +376,7 @@ METRICS: tuple[MetricDoc, ...] = (
         "sum(num_prefix_hit_tokens) / sum(num_prefix_query_tokens) over steps, in tokens; every "
         "admission counts, so a request re-admitted after a recompute preemption re-hits its own "
         "prefix and the rate can exceed prefix_reuse_upper_bound",
+        SCHEDULE,
     ),
     MetricDoc(
         "prefix_hit_rate_first_admission",
@@ -280,6 +386,7 @@ METRICS: tuple[MetricDoc, ...] = (
         "prefix cache supplied when each request was first admitted (the last prompt token is "
         "always computed); NaN when the run made no prefix lookups. Comparable with "
         "prefix_reuse_upper_bound",
+        SCHEDULE,
     ),
     MetricDoc(
         "prefix_reuse_upper_bound",
@@ -291,28 +398,45 @@ METRICS: tuple[MetricDoc, ...] = (
         "summed, / their prompt tokens (prompt blocks only; a radix index, token-granular, may "
         "exceed it by < block_size tokens per request); NaN unless the replayed requests reach "
         "summarize_run",
+        CONFIG,
     ),
     MetricDoc(
-        "num_cached_prompt_tokens", "tokens", "higher", "sum of num_cached_tokens over completed requests"
+        "num_cached_prompt_tokens",
+        "tokens",
+        "higher",
+        "sum of num_cached_tokens over completed requests",
+        SCHEDULE,
     ),
-    MetricDoc("num_preemptions", "count", "lower", "sum of num_preemptions over steps"),
-    MetricDoc("num_recomputed_tokens", "tokens", "lower", "sum of num_recomputed_tokens over steps"),
-    MetricDoc("num_evicted_blocks", "count", "", "prefix-cache blocks evicted to make room (sum over steps)"),
-    MetricDoc("num_evicted_tokens", "tokens", "", "tokens dropped by lossy eviction (H2O, streaming)"),
-    MetricDoc("bytes_to_host", "bytes", "lower", "sum of bytes_to_host over steps"),
-    MetricDoc("bytes_from_host", "bytes", "lower", "sum of bytes_from_host over steps"),
+    MetricDoc("num_preemptions", "count", "lower", "sum of num_preemptions over steps", SCHEDULE),
+    MetricDoc(
+        "num_recomputed_tokens", "tokens", "lower", "sum of num_recomputed_tokens over steps", SCHEDULE
+    ),
+    MetricDoc(
+        "num_evicted_blocks",
+        "count",
+        "",
+        "prefix-cache blocks evicted to make room (sum over steps)",
+        SCHEDULE,
+    ),
+    MetricDoc(
+        "num_evicted_tokens", "tokens", "", "tokens dropped by lossy eviction (H2O, streaming)", SCHEDULE
+    ),
+    MetricDoc("bytes_to_host", "bytes", "lower", "sum of bytes_to_host over steps", SCHEDULE),
+    MetricDoc("bytes_from_host", "bytes", "lower", "sum of bytes_from_host over steps", SCHEDULE),
     MetricDoc(
         "modeled_transfer_s",
         "s",
         "lower",
         "sum of modeled_transfer_s over steps: host<->device bytes over the hardware profile's PCIe "
         "bandwidth (a model, not a measurement)",
+        SCHEDULE,
     ),
     MetricDoc(
         "measured_transfer_s",
         "s",
         "lower",
         "sum of measured_transfer_s over steps: host<->device copy time timed with CUDA events (GPU only)",
+        HOST,
     ),
     MetricDoc(
         "fetch_recall_mean",
@@ -320,6 +444,7 @@ METRICS: tuple[MetricDoc, ...] = (
         "higher",
         "offload: mean over steps that fetched of the recall of the true top attention tokens among "
         "host-resident ones by the speculative fetch",
+        SCHEDULE,
     ),
     MetricDoc(
         "decode_roofline_ms_mean",
@@ -328,19 +453,22 @@ METRICS: tuple[MetricDoc, ...] = (
         "mean over decode-only steps (no prefill tokens, some decode tokens) of the minimum step time "
         "(weight_bytes + kv_token_bytes) / (hardware.hbm_bandwidth_gbps * 1e9); kv_token_bytes "
         "approximates the KV bytes read that step",
+        SCHEDULE,
     ),
-    MetricDoc("decode_step_ms_mean", "ms", "lower", "mean duration_s of decode-only steps"),
+    MetricDoc("decode_step_ms_mean", "ms", "lower", "mean duration_s of decode-only steps", CLOCK),
     MetricDoc(
         "decode_roofline_fraction_mean",
         "fraction",
         "higher",
         "mean over decode-only steps of roofline time / measured (or modeled) step duration",
+        CLOCK,
     ),
     MetricDoc(
         "decode_achieved_gbps",
         "GB/s",
         "higher",
         "sum of (weight_bytes + kv_token_bytes) over decode-only steps / sum of their durations / 1e9",
+        CLOCK,
     ),
     *_memory_docs(),
     *SERVER_METRICS,
@@ -351,9 +479,9 @@ METRICS_BY_NAME: dict[str, MetricDoc] = {doc.name: doc for doc in METRICS}
 
 def metrics_markdown() -> str:
     """The METRICS table as a GitHub markdown table (for the README)."""
-    lines = ["| metric | unit | better | definition |", "|---|---|---|---|"]
+    lines = ["| metric | unit | better | source | definition |", "|---|---|---|---|---|"]
     for doc in METRICS:
-        lines.append(f"| `{doc.name}` | {doc.unit} | {doc.better or '-'} | {doc.definition} |")
+        lines.append(f"| `{doc.name}` | {doc.unit} | {doc.better or '-'} | {doc.source} | {doc.definition} |")
     return "\n".join(lines) + "\n"
 
 
@@ -404,20 +532,6 @@ def per_request(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------- summary
-def summarize(
-    requests: pd.DataFrame,
-    steps: pd.DataFrame,
-    meta: Mapping[str, Any],
-    memory: pd.DataFrame | None = None,
-    workload_requests: Sequence[Request] | None = None,
-) -> dict[str, float]:
-    """Summary metrics of one run (see METRICS); NaN where not computable.
-
-    Use ``summarize_run`` to also get the reason for each NaN. Mutates nothing.
-    """
-    return summarize_run(requests, steps, meta, memory, workload_requests=workload_requests).metrics
-
-
 def summarize_run(
     requests: pd.DataFrame,
     steps: pd.DataFrame,
@@ -724,10 +838,10 @@ def prefix_reused_tokens(
     prompts = list(prompts)
     salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
     # Vectorised over batches of prompts, then one pass over all blocks: a block's key is
-    # lane 0 of the engine's chained block key (``kvbench.hashing``), computed for many
-    # prompts at once, so no Python loop runs per block (the full Mooncake conversation
-    # trace: 9M blocks in ~1 s instead of ~5 s). Distinct prefixes collide with probability
-    # ~2**-64 per pair, which could only raise an upper bound.
+    # lane 0 of the engine's chained block key (``kvbench.hashing.prompt_block_keys``),
+    # computed for many prompts at once, so no Python loop runs per block. Distinct
+    # prefixes collide with probability ~2**-64 per pair, which could only raise an upper
+    # bound.
     keys: list[np.ndarray] = []
     num_blocks = np.zeros(len(prompts), dtype=np.int64)
     num_tokens = np.zeros(len(prompts), dtype=np.int64)
@@ -749,7 +863,7 @@ def prefix_reused_tokens(
             batch_salts.append(salt)
             batch_blocks += nb
         if parts and (batch_blocks * block_size >= _BOUND_BATCH_TOKENS or p == len(prompts) - 1):
-            keys.append(_chained_block_keys(parts, firsts, batch_salts, block_size))
+            keys.append(prompt_block_keys(parts, firsts, batch_salts, block_size))
             parts, firsts, batch_salts, batch_blocks = [], [], [], 0
     reused = np.zeros(len(prompts), dtype=np.int64)
     if not keys:
@@ -767,25 +881,6 @@ def prefix_reused_tokens(
 
 
 _BOUND_BATCH_TOKENS = 1 << 22
-
-
-def _chained_block_keys(
-    parts: list[np.ndarray], firsts: list[int], salts: list[str | None], block_size: int
-) -> np.ndarray:
-    """Lane 0 of the chained keys of the full blocks of several prompts (``parts``: each
-    prompt's full-block tokens; ``firsts``: where each prompt's blocks start among them;
-    ``salts``: each prompt's cache salt), in order: the values ``BlockKeyChain.hashes``
-    holds, computed for all prompts at once. A running sum over all blocks, less the sum
-    before each prompt, plus the prompt's chain start. uint64 [blocks]. Pure."""
-    contents = block_contents(np.concatenate(parts).reshape(-1, block_size))  # [blocks]
-    starts = np.asarray(firsts, dtype=np.int64)
-    lengths = np.diff(np.append(starts, len(contents)))
-    positions = np.arange(len(contents), dtype=np.int64) - np.repeat(starts, lengths)  # in its prompt
-    with np.errstate(over="ignore"):
-        sums = np.cumsum(block_terms(contents, positions, 0), dtype=np.uint64)
-        before = np.where(starts > 0, sums[np.maximum(starts - 1, 0)], np.uint64(0))
-        chain = np.array([chain_start(salt, 0) for salt in salts], dtype=np.uint64)
-        return sums - np.repeat(before, lengths) + np.repeat(chain, lengths)
 
 
 def _prefix_reuse_metrics(
