@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvbench.engines.sampler import SampleKey, Sampler
+from kvbench.engines.exec.sampler import SampleKey, Sampler
 from kvbench.model import DenseKVCache, torch_dtype
 from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_token

@@ -1,6 +1,6 @@
 """H2O (heavy hitters + recent window) and StreamingLLM (sinks + window) engines.
 
-Both are the bounded paged engine (``bounded_engine.BoundedCacheEngine``) with the
+Both are the bounded paged engine (``engines/bounded.BoundedCacheEngine``) with the
 eviction policy of ``eviction.EvictionPolicy`` and evicted K/V dropped. StreamingLLM is
 not separate code: it is H2O with ``heavy_share = 0`` and 4 sink tokens by default.
 Hydra targets: ``kvbench.engines.h2o.H2OEngine`` and ``kvbench.engines.h2o.StreamingEngine``
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.engines.bounded_engine import BoundedCacheEngine
-from kvbench.engines.eviction import DropEvicted, EvictionPolicy
+from kvbench.engines.bounded import BoundedCacheEngine
+from kvbench.engines.kv.eviction import DropEvicted, EvictionPolicy
 from kvbench.types import EngineContext
 
 

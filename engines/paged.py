@@ -13,78 +13,34 @@ same keys as the dense reference, so outputs do not depend on batching, chunking
 preemption or sharing. Parallel samples are forked from the prompt sequence after its
 last prompt token (sharing every prompt block); beams are ranked jointly every step
 (the best ``beam_width`` of all (beam, token) continuations by cumulative log-probability).
+
+The engine is an assembly: ``EngineConfig`` and ``size_pool`` (engines/config.py), a KV
+manager (engines/kv), the scheduler (engines/sched), an executor (engines/exec or the
+cost model of engines/sim) and, in simulation, the fast path (engines/sim/fast_forward.py).
+The slab and bounded engines assemble the same parts around their own managers
+(``PagedEngine.assemble``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from collections.abc import Sequence as SequenceOf
 from typing import Any
 
-import numpy as np
 import torch
 
-from kvbench.engines.executor import ExecutionResult, Executor, TorchExecutor
-from kvbench.engines.kv_manager import PagedKVManager
-from kvbench.engines.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
-from kvbench.engines.radix_cache import RadixPrefixIndex
-from kvbench.engines.sampler import SampleKey, Sampler, log_softmax, stable_seed
-from kvbench.engines.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvbench.engines.sequence import Sequence, SequenceGroup
-from kvbench.engines.sim_executor import CostModelExecutor, pool_and_executor
-from kvbench.hashing import GOLDEN64, MASK64, mix64
+from kvbench.engines.config import DEFAULTS, PREFIX_INDEXES, EngineConfig, size_pool
+from kvbench.engines.exec.executor import ExecutionResult, Executor, TorchExecutor
+from kvbench.engines.exec.sampler import SampleKey, Sampler, log_softmax
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.protocol import KVManager
+from kvbench.engines.sched.scheduler import Scheduler, SchedulerOutput
+from kvbench.engines.sched.sequence import Sequence, SequenceGroup
+from kvbench.engines.sim.executor import CostModelExecutor
+from kvbench.engines.sim.fast_forward import FastForward
+from kvbench.engines.sim.stand_in import StandInTokens
 from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
-from kvbench.types import CoveredSteps, EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
-
-PREFIX_INDEXES = {
-    "block_hash": BlockHashPrefixIndex,
-    "radix": RadixPrefixIndex,
-    "none": NullPrefixIndex,
-}
-DECODE_BACKENDS = ("auto", "torch", "triton")
-# Most steps one decode run covers (one StepOutput): runs end at the first finish,
-# arrival, admission or preemption anyway; the cap bounds one output's size.
-MAX_DECODE_RUN_STEPS = 1024
-# Steps modeled in a run's first window (then 2x, 4x, ...): runs often end within a few.
-FIRST_DECODE_WINDOW = 8
-_SAMPLE64 = 0xD1B54A32D192ED03
-
-
-def stand_in_token(base: int, sample_index: int, position: int, vocab_size: int) -> int:
-    """Simulation's stand-in for a sampled token: a SplitMix64 mix of the request's
-    ``base`` key, the sample and the output position, drawn from ``[3, vocab_size)``.
-
-    Integer arithmetic only (~0.3 us; a blake2b seed per token cost ~3 us, a fifth of a
-    simulated decode step per sequence). Pure.
-    """
-    x = (base + (sample_index + 1) * _SAMPLE64 + (position + 1) * GOLDEN64) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    x ^= x >> 31
-    return 3 + x % (vocab_size - 3)
-
-
-def stand_in_tokens(
-    bases: SequenceOf[int],
-    sample_indexes: SequenceOf[int],
-    first_positions: SequenceOf[int],
-    num_steps: int,
-    vocab_size: int,
-) -> np.ndarray:
-    """``stand_in_token`` for many sequences and consecutive positions at once: entry
-    ``[i, k]`` equals ``stand_in_token(bases[i], sample_indexes[i], first_positions[i] + k,
-    vocab_size)`` (uint64 arithmetic wraps mod 2**64 like the masked Python version).
-    Returns int64 [len(bases), num_steps]. Pure."""
-    u64 = np.uint64
-    x = (
-        np.asarray(bases, dtype=u64)[:, None]
-        + (np.asarray(sample_indexes, dtype=u64)[:, None] + u64(1)) * u64(_SAMPLE64)
-        + (np.asarray(first_positions, dtype=u64)[:, None] + np.arange(1, num_steps + 1, dtype=u64))
-        * u64(GOLDEN64)
-    )
-    return (u64(3) + mix64(x) % u64(vocab_size - 3)).astype(np.int64)
+from kvbench.types import EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
 
 
 def rank_beam_candidates(
@@ -119,105 +75,13 @@ def rank_beam_candidates(
     return chosen, finished
 
 
-class _RunLog:
-    """A decode run's covered steps as they go: durations, KV counts, evictions, tokens."""
-
-    __slots__ = (
-        "engine",
-        "request_ids",
-        "samples",
-        "context",
-        "queues",
-        "durations_s",
-        "counts",
-        "evicted",
-        "token_rows",
-    )
-
-    def __init__(self, engine: PagedEngine, request_ids: list[str], samples: list[int], context: int) -> None:
-        self.engine = engine
-        self.request_ids = request_ids  # per sequence of the run, in batch order
-        self.samples = samples
-        self.context = context  # KV tokens the batch reads in the run's first step
-        # Waiting and swapped groups, unchanged by the run's steps (a step that admits a
-        # group is left to the next normal step, which pops it from the queue).
-        scheduler = engine.scheduler
-        self.queues = (len(scheduler.waiting), len(scheduler.swapped))
-        self.durations_s: list[float] = []
-        self.counts: list[tuple[int, int, int]] = []  # the KV manager's usage_counts after each step
-        self.evicted: list[int] = []  # cached blocks each step reused
-        self.token_rows: list[list[int]] = [[] for _ in request_ids]  # [seq][step]
-
-    def add(
-        self, step_tokens: list[int], duration_s: float, counts: tuple[int, int, int], evicted: int
-    ) -> None:
-        """Record one step: a token per sequence, its time, KV counts and evictions."""
-        self.durations_s.append(duration_s)
-        self.counts.append(counts)
-        self.evicted.append(evicted)
-        for row, token in zip(self.token_rows, step_tokens):
-            row.append(token)
-
-    def add_many(
-        self, token_rows: list[list[int]], durations_s: list[float], reserved: list[tuple[int, int, int, int]]
-    ) -> None:
-        """Record steps taken together: ``token_rows[seq][step]`` and ``DecodeRun.advance_many``'s
-        per-step counts."""
-        self.durations_s.extend(durations_s)
-        for in_use, token_slots, free, evicted in reserved:
-            self.counts.append((in_use, token_slots, free))
-            self.evicted.append(evicted)
-        for row, new in zip(self.token_rows, token_rows):
-            row.extend(new)
-
-    def finish(self) -> CoveredSteps | None:
-        """End the run: its steps as ``StepOutput.covered_steps`` (None when none was
-        taken; the template is the last step's stats). Mutates the executor's step
-        counters (adds the run's steps); call once."""
-        num_steps = len(self.durations_s)
-        if not num_steps:
-            return None
-        engine = self.engine
-        kv = engine.kv
-        num_seqs = len(self.request_ids)
-        last = num_steps - 1
-        # Each step decodes one more token per sequence than the last.
-        contexts = range(self.context, self.context + num_steps * num_seqs, num_seqs)
-        template = engine._stats(
-            (0, 0, 0),  # prefix queries and hits: none in a run; evictions: the last step's
-            (0, 0, self.evicted[last]),
-            num_prefill_tokens=0,
-            num_decode_tokens=num_seqs,
-            shape=StepShape(num_decode_seqs=num_seqs, num_decode_context_tokens=contexts[last]),
-            usage=kv._usage(*self.counts[last]),
-            num_running=num_seqs,
-            queues=self.queues,
-        )
-        columns: dict[str, SequenceOf[Any]] = dict(kv.usage_columns(self.counts))
-        columns["num_evicted_blocks"] = self.evicted
-        columns["num_decode_context_tokens"] = contexts
-        executor = engine.executor
-        assert isinstance(executor, CostModelExecutor)
-        executor.num_steps += num_steps
-        for duration_s in self.durations_s:  # one at a time: the same float sums as single steps
-            executor.total_modeled_s += duration_s
-        return CoveredSteps(
-            durations_s=tuple(self.durations_s),
-            template=template,
-            columns=columns,
-            request_ids=tuple(self.request_ids),
-            sample_indexes=tuple(self.samples),
-            token_ids=tuple(map(tuple, self.token_rows)),
-        )
-
-
 class PagedEngine:
-    """Paged KV engine; see the module docstring. Parameters mirror ``conf/engine/paged.yaml``.
+    """Paged KV engine; see the module docstring. Parameters mirror ``conf/engine/paged.yaml``
+    (defaults and checks: ``engines/config.EngineConfig``).
 
-    Variants plug in a KV manager with ``PagedKVManager``'s interface: ``kv_manager`` (built
-    by the caller for this pool) or ``kv_manager_factory(num_blocks, block_size,
-    bytes_per_token)``, called once the engine has sized the pool. A manager may define
-    ``reject_reason(request) -> str | None`` to reject requests it can never hold.
+    A variant plugs in its own KV manager (the ``engines/kv/protocol.KVManager`` contract)
+    with ``kv_manager_factory(num_blocks, block_size, bytes_per_token)``, called once the
+    engine has sized the pool; or builds its parts itself and calls ``assemble``.
 
     ``fast_forward`` (simulation mode only) lets one ``step`` cover a run of plain decode
     steps once the runner has called ``set_next_arrival_s``; results are identical to
@@ -231,110 +95,108 @@ class PagedEngine:
         ctx: EngineContext,
         *,
         name: str = "paged",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_memory_bytes: int | None = 32 * 1024 * 1024,
-        gpu_memory_utilization: float = 0.9,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        chunked_prefill: bool = True,
-        prefix_cache: str = "block_hash",
-        preemption: str = "recompute",
-        victim_policy: str = "newest",
-        num_host_blocks: int = 0,
-        decode_backend: str = "auto",
-        fast_forward: bool = True,
+        block_size: int = DEFAULTS.block_size,
+        num_blocks: int | None = DEFAULTS.num_blocks,
+        kv_memory_bytes: int | None = DEFAULTS.kv_memory_bytes,
+        gpu_memory_utilization: float = DEFAULTS.gpu_memory_utilization,
+        max_num_seqs: int = DEFAULTS.max_num_seqs,
+        max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
+        chunked_prefill: bool = DEFAULTS.chunked_prefill,
+        prefix_cache: str = DEFAULTS.prefix_cache,
+        preemption: str = DEFAULTS.preemption,
+        victim_policy: str = DEFAULTS.victim_policy,
+        num_host_blocks: int = DEFAULTS.num_host_blocks,
+        decode_backend: str = DEFAULTS.decode_backend,
+        fast_forward: bool = DEFAULTS.fast_forward,
         executor: Executor | None = None,
-        kv_manager: PagedKVManager | None = None,
-        kv_manager_factory: Callable[[int, int, int], Any] | None = None,
+        kv_manager_factory: Callable[[int, int, int], KVManager] | None = None,
     ) -> None:
-        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
-            raise ValueError(f"engine.block_size: must be a power of two, got {block_size}")
-        if prefix_cache not in PREFIX_INDEXES:
-            raise ValueError(
-                f"engine.prefix_cache: must be one of {tuple(PREFIX_INDEXES)}, got {prefix_cache!r}"
+        config = EngineConfig.from_arguments(locals())
+        num_blocks, executor = size_pool(ctx, config, executor)
+        bytes_per_token = kv_bytes_per_token(ctx.spec, ctx.kv_dtype)
+        if kv_manager_factory is not None:
+            kv = kv_manager_factory(num_blocks, config.block_size, bytes_per_token)
+        else:
+            kv = PagedKVManager(
+                num_blocks,
+                config.block_size,
+                bytes_per_token,
+                PREFIX_INDEXES[config.prefix_cache](),
+                config.host_blocks_for(num_blocks),
             )
-        if decode_backend not in DECODE_BACKENDS:
-            raise ValueError(
-                f"engine.decode_backend: must be one of {DECODE_BACKENDS}, got {decode_backend!r}"
-            )
-        if num_host_blocks < 0:
-            raise ValueError(f"engine.num_host_blocks: must be >= 0, got {num_host_blocks}")
-        if kv_manager is not None and kv_manager_factory is not None:
-            raise ValueError("engine.kv_manager: give kv_manager or kv_manager_factory, not both")
+        self._build(ctx, name, config, num_blocks, executor, kv)
+
+    @classmethod
+    def assemble(
+        cls,
+        ctx: EngineContext,
+        *,
+        name: str,
+        config: EngineConfig,
+        num_blocks: int,
+        executor: Executor | None,
+        kv: KVManager,
+    ) -> PagedEngine:
+        """An engine over parts a variant built itself: ``kv`` manages the pool of
+        ``num_blocks`` blocks that ``size_pool`` gave for ``config`` (the executor's
+        tensors must fit it); ``executor`` None builds the torch executor."""
+        engine = cls.__new__(cls)
+        engine._build(ctx, name, config, num_blocks, executor, kv)
+        return engine
+
+    def _build(
+        self,
+        ctx: EngineContext,
+        name: str,
+        config: EngineConfig,
+        num_blocks: int,
+        executor: Executor | None,
+        kv: KVManager,
+    ) -> None:
+        spec = ctx.spec
         self.name = name
         self.ctx = ctx
-        spec = ctx.spec
+        self.engine_config = config
         self.bytes_per_token = kv_bytes_per_token(spec, ctx.kv_dtype)
-        self.bytes_per_block = kv_bytes_per_block(spec, ctx.kv_dtype, block_size)
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"engine.gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}"
-            )
-        num_blocks, executor = pool_and_executor(
-            ctx,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_memory_bytes=kv_memory_bytes,
-            executor=executor,
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
-        if preemption == "swap" and num_host_blocks == 0:
-            num_host_blocks = num_blocks
-        config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunked_prefill=bool(chunked_prefill),
-            preemption=preemption,
-            victim_policy=victim_policy,
-            max_model_len=spec.max_position_embeddings,
-        )
-        config.validate()
-        self.block_size = block_size
+        self.bytes_per_block = kv_bytes_per_block(spec, ctx.kv_dtype, config.block_size)
+        self.block_size = config.block_size
         self.num_blocks = num_blocks
-        self.num_host_blocks = num_host_blocks
-        self.prefix_cache = prefix_cache
-        self.gpu_memory_utilization = gpu_memory_utilization
-        # Variants (slab, H2O, offload) pass their own manager with the same interface;
-        # its pool must match num_blocks / block_size so the executor's tensors fit it.
-        # A factory gets the pool this engine sized (num_blocks, block_size,
-        # bytes_per_token), so variants do not repeat the sizing rule.
-        if kv_manager is None and kv_manager_factory is not None:
-            kv_manager = kv_manager_factory(num_blocks, block_size, self.bytes_per_token)
-        self.kv = kv_manager or PagedKVManager(
-            num_blocks, block_size, self.bytes_per_token, PREFIX_INDEXES[prefix_cache](), num_host_blocks
-        )
+        self.num_host_blocks = config.host_blocks_for(num_blocks)
+        self.prefix_cache = config.prefix_cache
+        self.gpu_memory_utilization = config.gpu_memory_utilization
+        self.kv = kv
         if executor is None:
             if ctx.model is None:
                 raise ValueError(
-                    "engine.paged: ctx.model is None (simulation mode) and no executor was given; "
+                    f"engine.{name}: ctx.model is None (simulation mode) and no executor was given; "
                     "pass a cost-model executor"
                 )
             executor = TorchExecutor(
                 ctx.model,
                 num_blocks=num_blocks,
-                block_size=block_size,
-                num_host_blocks=num_host_blocks,
+                block_size=config.block_size,
+                num_host_blocks=self.num_host_blocks,
                 device=ctx.device,
                 kv_dtype=ctx.kv_dtype,
-                decode_backend=decode_backend,
+                decode_backend=config.decode_backend,
             )
         self.executor = executor
+        self.config = config.scheduler_config(spec.max_position_embeddings)
         self.scheduler = Scheduler(
-            self.kv, config, spec.eos_token_id, chunk_contents=getattr(executor, "reads_chunk_contents", True)
+            kv, self.config, spec.eos_token_id, chunk_contents=executor.reads_chunk_contents
         )
         self.sampler = Sampler(ctx.seed)
-        self.config = config
         self._is_cuda = torch.device(ctx.device).type == "cuda"
+        self._stand_ins = StandInTokens(ctx.seed, spec.vocab_size)
         # Fast-forward (simulation only): the cost-model executor prices a decode run in
-        # one call, and only the plain paged manager's accounting is known to be what
-        # DecodeRun/append_decodes assume (variants override append/usage).
-        self._decode_runs = (
-            bool(fast_forward) and isinstance(executor, CostModelExecutor) and type(self.kv) is PagedKVManager
-        )
+        # one call, and only the plain paged manager's accounting is what DecodeRun and
+        # append_decodes assume (variants override append/usage).
+        self._fast: FastForward | None = None
+        if config.fast_forward and isinstance(executor, CostModelExecutor) and type(kv) is PagedKVManager:
+            self._fast = FastForward(
+                self.scheduler, kv, executor, self._stand_ins, spec.eos_token_id, self.step_stats
+            )
         self._run_window: tuple[float, float] | None = None
-        self._stand_in_bases: dict[str, int] = {}  # request id -> stand-in token key
-        self._prepared_counters: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ protocol
     def add_request(self, request: Request) -> None:
@@ -378,24 +240,24 @@ class PagedEngine:
 
     def step(self) -> StepOutput:
         """Run one iteration (see module doc), or, in simulation mode after
-        ``set_next_arrival_s``, a decode run of several (``_decode_run``). Mutates queues,
+        ``set_next_arrival_s``, a decode run of several (engines/sim/fast_forward.py). Mutates queues,
         KV state and outputs.
 
         On CUDA it synchronises before returning so the runner's clock reads finished work.
         """
         window, self._run_window = self._run_window, None
-        if window is not None and self._decode_runs:
-            run = self._decode_run(*window)
-            if run is not None:
-                return run
         kv = self.kv
-        # A step a decode run already began (its slots reserved) counts from before that.
-        counters0 = self._prepared_counters or (
-            kv.num_prefix_query_tokens,
-            kv.num_prefix_hit_tokens,
-            kv.num_evicted_blocks,
-        )
-        self._prepared_counters = None
+        fast = self._fast
+        counters0 = None
+        if fast is not None:
+            if window is not None:
+                run = fast.run(*window)
+                if run is not None:
+                    return run
+            # A step a decode run already began (its slots reserved) counts from before that.
+            counters0, fast.prepared_counters = fast.prepared_counters, None
+        if counters0 is None:
+            counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
         output = self.scheduler.schedule()
         result = self.executor.execute(output)
         targets = self.scheduler.complete_step()
@@ -409,9 +271,9 @@ class PagedEngine:
         if self._is_cuda:
             torch.cuda.synchronize()
         for done in finished:
-            self._stand_in_bases.pop(done.request_id, None)
+            self._stand_ins.forget(done.request_id)
         bytes_to_host, bytes_from_host = self._swap_bytes(output)
-        stats = self._stats(
+        stats = self.step_stats(
             counters0,
             num_prefill_tokens=output.num_prefill_tokens,
             num_decode_tokens=output.num_decode_tokens,
@@ -432,7 +294,7 @@ class PagedEngine:
             modeled_duration_s=result.modeled_duration_s,
         )
 
-    def _stats(
+    def step_stats(
         self,
         counters0: tuple[int, int, int],
         counters1: tuple[int, int, int] | None = None,
@@ -485,130 +347,6 @@ class PagedEngine:
             num_decode_context_tokens=shape.num_decode_context_tokens,
         )
 
-    # ------------------------------------------------------------------ decode runs
-    def _decode_run(self, now_s: float, next_arrival_s: float) -> StepOutput | None:
-        """Fast-forward: take consecutive plain decode steps in one call (simulation only).
-
-        A run continues while the batch stays the same: every running sequence decodes
-        one token, none finishes, no block is copied or swapped, the pool has the blocks
-        the step needs (no preemption), the head of the waiting queue still cannot start,
-        and the step starts before ``next_arrival_s``. Each step updates the scheduler, KV
-        manager and prefix index exactly as a single ``step`` would (tests compare both),
-        without planning chunks or modeling each step separately: step times come from
-        cost-model calls over windows of steps, stand-in tokens and the first EOS from
-        vectorised draws, and the KV side from a ``DecodeRun``. Steps in which the waiting
-        head provably cannot start (``Scheduler.quiet_decode_steps``) are reserved and
-        completed together; the others one at a time, checking the head. Returns None when
-        not even the first step qualifies (the caller steps normally); a step that turns
-        out to admit a waiting group is left planned in the scheduler for that normal step.
-        """
-        scheduler = self.scheduler
-        pairs = scheduler.decode_batch()
-        if pairs is None:
-            return None
-        bases = self._stand_in_bases
-        seed = self.ctx.seed
-        # Steps before the first finish: the step producing a sequence's last token ends it.
-        max_steps = MAX_DECODE_RUN_STEPS
-        seq_bases, samples, positions, check_eos = [], [], [], []
-        for group, seq in pairs:
-            request = group.request
-            max_steps = min(max_steps, request.max_new_tokens - seq.num_output_tokens - 1)
-            base = bases.get(request.request_id)
-            if base is None:
-                base = bases[request.request_id] = stable_seed(seed, request.request_id)
-            seq_bases.append(base)
-            samples.append(seq.sample_index)
-            positions.append(seq.num_output_tokens)
-            check_eos.append(not request.ignore_eos)
-        if max_steps <= 0:
-            return None
-        executor = self.executor
-        assert isinstance(executor, CostModelExecutor)
-        context = sum(len(seq.token_ids) for _, seq in pairs)
-        num_seqs = len(pairs)
-        vocab, eos = self.ctx.spec.vocab_size, self.ctx.spec.eos_token_id
-        eos_rows = np.asarray(check_eos) if any(check_eos) else None
-        kv = self.kv
-        run = kv.decode_run([seq.seq_id for _, seq in pairs])
-        log = _RunLog(self, [group.request_id for group, _ in pairs], samples, context)
-        start_s = now_s  # summed one step at a time, as the clock does
-        offset = 0
-        quiet = 0  # steps ahead known not to admit anything (reserved together)
-        window = FIRST_DECODE_WINDOW
-        ended = False
-        while not ended and offset < max_steps:
-            # Step times and tokens for a window of steps at a time, doubling: most runs
-            # end within a few steps (an admission, a preemption), and modeling all
-            # MAX_DECODE_RUN_STEPS up front wasted most of the work.
-            size = min(window, max_steps - offset)
-            window *= 2
-            durations = executor.cost_model.decode_run_s(num_seqs, context + offset * num_seqs, size).tolist()
-            tokens = stand_in_tokens(seq_bases, samples, [p + offset for p in positions], size, vocab)
-            limit = size
-            if eos_rows is not None:
-                # The step in which some sequence samples EOS finishes it: a normal step.
-                eos_hits = (tokens[eos_rows] == eos).any(axis=0)
-                if eos_hits.any():
-                    limit = int(eos_hits.argmax())
-                    ended = True
-            index = 0
-            while index < limit:
-                if start_s >= next_arrival_s:
-                    ended = True  # the arrival is submitted before this step
-                    break
-                if quiet:
-                    # Steps the head surely cannot join (see Scheduler.quiet_decode_steps):
-                    # reserve them together, up to the arrival.
-                    num = 1
-                    end_s = start_s + durations[index]
-                    cap = min(quiet, limit - index)
-                    while num < cap and end_s < next_arrival_s:
-                        end_s += durations[index + num]
-                        num += 1
-                    token_rows = tokens[:, index : index + num].tolist()  # [seq][step]
-                    step_commits = scheduler.complete_decodes_many(pairs, token_rows)
-                    reserved = run.advance_many(
-                        num,
-                        after_step=lambda step, commits=step_commits: scheduler.commit_decodes(commits[step]),
-                    )
-                    log.add_many(token_rows, durations[index : index + num], reserved)
-                    quiet -= num
-                    index += num
-                    offset += num
-                    start_s = end_s
-                    continue
-                if run.num_new_blocks() > kv.num_allocatable_blocks:
-                    ended = True  # a preemption: a normal step
-                    break
-                counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
-                if not scheduler.append_decodes(pairs, run):
-                    # A waiting group starts in this step: the scheduler keeps its plan for
-                    # the next normal step, whose stats count from here.
-                    self._prepared_counters = counters0
-                    ended = True
-                    break
-                quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
-                step_tokens, duration_s = tokens[:, index].tolist(), durations[index]  # one per sequence
-                scheduler.complete_decodes(pairs, step_tokens)
-                log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - counters0[2])
-                index += 1
-                offset += 1
-                start_s += duration_s
-        scheduler.finish_decodes(pairs)
-        covered = log.finish()
-        if covered is None:
-            return None
-        return StepOutput(
-            tokens=(),
-            first_scheduled=(),
-            finished=(),
-            rejected=(),
-            stats=covered.template,
-            modeled_duration_s=math.fsum(covered.durations_s),
-            covered_steps=covered,
-        )
-
     # ------------------------------------------------------------------ token selection
     def _swap_bytes(self, output: SchedulerOutput) -> tuple[int, int]:
         num_out = sum(len(op.swap_out) for op in output.kv_ops)
@@ -622,7 +360,7 @@ class PagedEngine:
         if not targets:
             return []
         if result.logits is None:
-            return self._advance_without_logits(targets)
+            return self._stand_ins.advance(self.scheduler, targets)
         logits = result.logits  # logits: [len(targets), vocab] fp32
         rows: list[int] = []
         keys: list[SampleKey] = []
@@ -682,44 +420,3 @@ class PagedEngine:
         )
         del live
         return [TokenEvent(request.request_id, rank, token) for rank, (_, token, _) in enumerate(chosen)]
-
-    def _advance_without_logits(self, targets: list[tuple[SequenceGroup, Sequence]]) -> list[TokenEvent]:
-        """Cost-model execution: no logits, so each target gets a seeded stand-in token.
-
-        Tokens are drawn from [3, vocab) by (seed, request, sample, position)
-        (``stand_in_token``), so outputs of different requests do not collide in the
-        prefix cache. Beams continue one
-        stand-in token each (no ranking without logits).
-        """
-        vocab = self.ctx.spec.vocab_size
-        seed = self.ctx.seed
-        bases = self._stand_in_bases
-
-        def stand_in(group: SequenceGroup, sample_index: int, position: int) -> int:
-            base = bases.get(group.request_id)
-            if base is None:
-                base = bases[group.request_id] = stable_seed(seed, group.request_id)
-            return stand_in_token(base, sample_index, position, vocab)
-
-        events: list[TokenEvent] = []
-        done_beams: set[int] = set()
-        for group, seq in targets:
-            if group.is_beam:
-                if id(group) in done_beams:
-                    continue
-                done_beams.add(id(group))
-                beams = list(group.seqs) if group.has_forked else [seq] * group.num_samples
-                chosen = [
-                    (beam, stand_in(group, i, beam.num_output_tokens), 0.0) for i, beam in enumerate(beams)
-                ]
-                self.scheduler.advance_beams(group, chosen, [])
-                events.extend(TokenEvent(group.request_id, i, t) for i, (_, t, _) in enumerate(chosen))
-            elif not group.has_forked and group.num_samples > 1:
-                firsts = [stand_in(group, i, 0) for i in range(group.num_samples)]
-                self.scheduler.fork_samples(group, firsts)
-                events.extend(TokenEvent(group.request_id, i, t) for i, t in enumerate(firsts))
-            else:
-                token = stand_in(group, seq.sample_index, seq.num_output_tokens)
-                events.append(TokenEvent(group.request_id, seq.sample_index, token))
-                self.scheduler.append_token(group, seq, token)
-        return events

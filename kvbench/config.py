@@ -22,7 +22,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.quality import QualityConfig
+from kvbench.quality_config import QualityConfig
+from kvbench.sizing import DEFAULT_BLOCK_SIZE
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError, dtype_bits
 
 
@@ -42,7 +43,7 @@ def schema_of(spec_cls: type, extra: tuple[tuple[str, type, Any], ...] = ()) -> 
 ModelSchema = schema_of(ModelSpec)
 HardwareSchema = schema_of(HardwareSpec)
 # `quality.enabled=true` adds the lossy-cache quality harness to a real-mode run; the
-# other keys are kvbench.quality.QualityConfig's.
+# other keys are kvbench.quality_config.QualityConfig's.
 QualitySchema = schema_of(QualityConfig, extra=(("enabled", bool, False),))
 
 
@@ -78,6 +79,12 @@ class RunOptions:
     # while work is queued before the run stops with an error. None: derived from the
     # workload (kvbench.runner.default_max_stall_steps).
     stall_steps: int | None = None
+    # Repeats of timed measurements: `kvbench sweep run.repeats=N` runs every
+    # configuration N times, interleaved (repeat 0 of every configuration, then repeat 1,
+    # ...), each job with its own run.repeat index (part of the run id and config hash;
+    # compare pools a configuration's repeats).
+    repeats: int = 1
+    repeat: int = 0
 
 
 @dataclass
@@ -87,6 +94,15 @@ class SLO:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
+
+
+@dataclass
+class Headline:
+    """What an experiment is about: its headline metrics (shown first, in this order, in
+    the terminal summary and the report) and the report figure shown first."""
+
+    metrics: list[str] = field(default_factory=list)
+    plot: str | None = None
 
 
 @dataclass
@@ -101,6 +117,7 @@ class Config:
     slo: SLO = field(default_factory=SLO)
     quality: Any = field(default_factory=QualitySchema)
     experiment: str = ""
+    headline: Headline = field(default_factory=Headline)
 
 
 @dataclass
@@ -115,7 +132,7 @@ class SizeConfig:
     batch: int = 1
     kv_dtype: str | None = None  # None: the model's dtype
     weight_dtype: str | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     gpu_memory_utilization: float = 0.9
     format: str = "table"  # table | json
 
@@ -188,6 +205,12 @@ def validate_config(cfg: DictConfig) -> DictConfig:
         _check_device(merged.run.device)
     if merged.run.progress not in ("auto", "on", "off"):
         raise ConfigError(f"run.progress: must be auto, on or off, got {merged.run.progress!r}")
+    if merged.run.repeats < 1:
+        raise ConfigError(f"run.repeats: must be >= 1, got {merged.run.repeats}")
+    if not 0 <= merged.run.repeat < merged.run.repeats:
+        raise ConfigError(
+            f"run.repeat: must be in [0, run.repeats={merged.run.repeats}), got {merged.run.repeat}"
+        )
     if merged.run.stall_steps is not None and merged.run.stall_steps < 1:
         raise ConfigError(f"run.stall_steps: must be >= 1 or null, got {merged.run.stall_steps}")
     if merged.run.num_threads < 0:

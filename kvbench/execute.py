@@ -79,12 +79,15 @@ def config_hash(cfg: DictConfig) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True)
     for key in _NON_SEMANTIC_RUN_KEYS:
         plain["run"].pop(key, None)
+    plain.pop("headline", None)  # what a report shows first, not what is measured
     return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(plain)).encode()).hexdigest()[:12]
 
 
 def run_id_for(overrides: list[str], digest: str) -> str:
     """A readable, filesystem-safe run id: the job's overrides plus the config hash."""
-    parts = [o for o in overrides if not o.lstrip("+~").startswith(("run.", "hydra.", "experiment"))]
+    parts = [
+        o for o in overrides if not o.lstrip("+~").startswith(("run.", "hydra.", "experiment", "headline"))
+    ]
     slug = ",".join(parts) or "default"
     slug = re.sub(r"[^A-Za-z0-9._=,+-]+", "_", slug)[:120]
     return f"{slug}-{digest[:8]}"
@@ -184,11 +187,13 @@ def execute(cfg: DictConfig, run_dir: Path, digest: str) -> RunOutcome:
             "kv_dtype": cfg.run.kv_dtype or (cfg.model.dtype if cfg.run.mode == "sim" else cfg.run.dtype),
             "num_threads": cfg.run.num_threads,
             "warmup": cfg.run.warmup,
+            "repeat": cfg.run.repeat,
         },
         "seed": cfg.seed,
         "slo": OmegaConf.to_container(cfg.slo),
         "config_hash": digest,
         "experiment": cfg.experiment,
+        "headline": OmegaConf.to_container(cfg.headline),
     }
     config_yaml = OmegaConf.to_yaml(cfg)
     # A live server's log is written here during the run, then attached to the run.

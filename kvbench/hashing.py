@@ -173,3 +173,23 @@ def chained_block_keys_int(
         keys_a.append(a)
         keys_b.append(b)
     return keys_a, keys_b
+
+
+def prompt_block_keys(
+    parts: list[np.ndarray], firsts: list[int], salts: list[str | None], block_size: int
+) -> np.ndarray:
+    """Lane 0 of the chained keys of the full blocks of several prompts at once, in order:
+    the values the engine's ``BlockKeyChain.hashes`` holds for each prompt (the
+    prefix-reuse bound and ``kvbench trace inspect`` key blocks with it). ``parts``: each
+    prompt's full-block tokens; ``firsts``: where each prompt's blocks start among them;
+    ``salts``: each prompt's cache salt. A running sum over all blocks, less the sum before
+    each prompt, plus the prompt's chain start. uint64 [blocks]. Pure."""
+    contents = block_contents(np.concatenate(parts).reshape(-1, block_size))  # [blocks]
+    starts = np.asarray(firsts, dtype=np.int64)
+    lengths = np.diff(np.append(starts, len(contents)))
+    positions = np.arange(len(contents), dtype=np.int64) - np.repeat(starts, lengths)  # in its prompt
+    with np.errstate(over="ignore"):
+        sums = np.cumsum(block_terms(contents, positions, 0), dtype=np.uint64)
+        before = np.where(starts > 0, sums[np.maximum(starts - 1, 0)], np.uint64(0))
+        chain = np.array([chain_start(salt, 0) for salt in salts], dtype=np.uint64)
+        return sums - np.repeat(before, lengths) + np.repeat(chain, lengths)

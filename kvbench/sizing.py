@@ -29,6 +29,9 @@ GIB = 1024**3
 # Activation reserve when the caller has no profiled peak: 1 GiB. Real engines measure
 # it with a dummy forward pass (vLLM's profile run); pass the measured value to fit().
 DEFAULT_ACTIVATION_RESERVE_BYTES = 1 * GIB
+# Tokens per KV block when none is given: vLLM's default, shared by the engines
+# (engines/config.EngineConfig), the calculator and trace inspection.
+DEFAULT_BLOCK_SIZE = 16
 
 
 def bytes_for_elements(num_elements: int, dtype: str, what: str = "size") -> int:
@@ -207,7 +210,7 @@ def fit(
     batch: int,
     kv_dtype: str,
     weight_dtype: str,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     gpu_memory_utilization: float = 0.9,
     activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES,
 ) -> SizingReport:

@@ -81,11 +81,6 @@ class ModelSpec:
             return "mha"
         return "gqa"
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_q_heads // self.num_kv_heads
-
     def validate(self) -> None:
         """Raise SpecError naming the first impossible field."""
         positive = (

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.engines.executor import ExecutionResult
+from kvbench.engines.exec.executor import ExecutionResult
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.scheduler import SchedulerOutput
+from kvbench.engines.sched.scheduler import SchedulerOutput
 from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import EngineContext
 
@@ -23,6 +23,8 @@ SPEC = ModelSpec(vocab_size=64)
 
 class ShadowExecutor:
     """Tensor-free executor: tracks which token each KV slot holds and verifies reads."""
+
+    reads_chunk_contents = True
 
     def __init__(self, block_size: int, random_logits: bool = False) -> None:
         self.block_size = block_size
@@ -44,7 +46,7 @@ class ShadowExecutor:
         assert self.engine is not None
         bs = self.block_size
         for chunk in output.chunks:
-            seq = self.engine.scheduler._seqs[chunk.seq_id][1]
+            seq = self.engine.scheduler.sequence_of(chunk.seq_id)
             for pos in range(chunk.start_pos):
                 block = chunk.block_table[pos // bs]
                 stored = self._block(block)[pos % bs]

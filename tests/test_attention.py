@@ -1,4 +1,4 @@
-"""Torch paged attention (kvbench.engines.attention) against a materialised dense reference."""
+"""Torch paged attention (kvbench.engines.exec.attention) against a materialised dense reference."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.profiler import profile
 
-from kvbench.engines import attention as attn
-from kvbench.engines.attention import (
+from kvbench.engines.exec import attention as attn
+from kvbench.engines.exec.attention import (
     DecodeWorkspace,
     contiguous_decode_attention,
     dense_attention_reference,

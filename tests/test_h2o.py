@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.engines.bounded_engine import BoundedSequenceBackend, ContiguousSlotStorage
-from kvbench.engines.eviction import DropEvicted, EvictionPolicy, SequenceSlots, TransferCounters
+from kvbench.engines.exec.bounded import BoundedSequenceBackend, ContiguousSlotStorage
 from kvbench.engines.h2o import H2OEngine, StreamingEngine
+from kvbench.engines.kv.eviction import DropEvicted, EvictionPolicy, SequenceSlots, TransferCounters
 from kvbench.model import DenseKVCache, LlamaModel
 from kvbench.quality import QualityConfig, evaluate_quality
 from kvbench.specs import HardwareSpec, ModelSpec
@@ -363,17 +363,7 @@ def test_sequence_backend_factory_uses_the_engine_policy(model):
     assert backend.policy == engine.policy and backend.budget == 50
 
 
-def test_simulation_mode_bounds_memory_without_tensors():
-    from kvbench.engines.sim_executor import simulated_engine
-
-    engine = simulated_engine(
-        make_ctx(None, mode="sim"), engine=H2OEngine, block_size=8, num_blocks=64, budget_tokens=16
-    )
-    _, _, steps = run_engine(engine, [Request("a", 0.0, tuple(range(3, 43)), 30)])
-    assert max(s.stats.kv.allocated_bytes for s in steps[1:]) == 2 * 8 * BYTES_PER_TOKEN
-
-
-def test_simulation_mode_without_the_wrapper_sizes_the_pool_from_the_hardware(capsys):
+def test_simulation_mode_bounds_memory_and_sizes_the_pool_from_the_hardware(capsys):
     # ``engine=h2o run.mode=sim`` on the command line: the engine takes the cost-model
     # executor itself, and kv_memory_bytes=null sizes the pool as the paged engine does.
     direct = H2OEngine(make_ctx(None, mode="sim"), block_size=8, num_blocks=64, budget_tokens=16)

@@ -12,9 +12,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvbench.engines.kv_manager import KVCapacityError, KVOps, PagedKVManager
-from kvbench.engines.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
-from kvbench.engines.radix_cache import RadixPrefixIndex
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
+from kvbench.engines.kv.protocol import KVCapacityError, KVOps
+from kvbench.engines.kv.radix_cache import RadixPrefixIndex
 from kvbench.types import KVUsage
 
 BS = 4

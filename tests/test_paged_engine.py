@@ -16,8 +16,8 @@ import pytest
 import torch
 from engine_driver import drive_engine
 
+from kvbench.engines.exec.sampler import SampleKey, Sampler
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sampler import SampleKey, Sampler
 from kvbench.model import DenseKVCache, LlamaModel
 from kvbench.sizing import weight_bytes
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError
@@ -290,7 +290,7 @@ def test_invalid_parameters_name_the_field(model, params, message):
 
 
 def test_sim_mode_builds_the_cost_model_executor_and_sizes_the_pool(capsys):
-    from kvbench.engines.sim_executor import CostModelExecutor
+    from kvbench.engines.sim.executor import CostModelExecutor
 
     hw = HardwareSpec(memory_bytes=1024**3)
     ctx = EngineContext(spec=SPEC, hardware=hw, model=None, mode="sim")

@@ -9,19 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.engines.block_pool import BlockPool
-from kvbench.engines.kv_manager import PagedKVManager
-from kvbench.engines.prefix_cache import (
-    NO_MATCH,
-    ArrayTokenIds,
-    BlockHashPrefixIndex,
-    BlockKeyChain,
-    KeyedTokenIds,
-    NullPrefixIndex,
-    PrefixIndex,
-    TokenPrefix,
-)
-from kvbench.engines.radix_cache import RadixPrefixIndex
+from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.prefix_cache import NO_MATCH, BlockHashPrefixIndex, NullPrefixIndex, PrefixIndex
+from kvbench.engines.kv.radix_cache import RadixPrefixIndex
+from kvbench.engines.kv.token_ids import ArrayTokenIds, BlockKeyChain, KeyedTokenIds, TokenPrefix
 
 BS = 4
 
@@ -128,7 +120,7 @@ def test_hash_index_misuse():
 
 def test_hash_index_check_detects_a_stale_cached_flag():
     pool, index = bound(BlockHashPrefixIndex())
-    pool.set_cached(3, True)
+    pool.set_cached_many([3])
     with pytest.raises(AssertionError, match="block 3: flagged cached but its key has no hash map entry"):
         index.check()
 
@@ -235,8 +227,8 @@ def test_keyed_token_ids_hash_each_block_once_and_forks_keep_the_keys(monkeypatc
 def test_block_keys_are_the_same_however_the_chain_grows(tokens, cuts, salt, block_size):
     """Keys computed in one numpy call, block by block in Python, or in any mix of the
     two (a prompt's array, then decode blocks from a list) are the same values, and they
-    equal the prefix-reuse bound's (``metrics.prefix_reused_tokens``' one definition)."""
-    from kvbench.metrics import _chained_block_keys
+    equal the prefix-reuse bound's (``kvbench.hashing.prompt_block_keys``, the one definition)."""
+    from kvbench.hashing import prompt_block_keys
 
     num_full = len(tokens) // block_size
     whole = BlockKeyChain(block_size, salt)
@@ -252,7 +244,7 @@ def test_block_keys_are_the_same_however_the_chain_grows(tokens, cuts, salt, blo
     assert (whole.hashes, whole.checks) == (stepped.hashes, stepped.checks) == (mixed.hashes, mixed.checks)
     assert len(whole.hashes) == num_full
     if num_full:
-        bound = _chained_block_keys([np.asarray(tokens[: num_full * block_size])], [0], [salt], block_size)
+        bound = prompt_block_keys([np.asarray(tokens[: num_full * block_size])], [0], [salt], block_size)
         assert bound.tolist() == whole.hashes
     if num_full > 1:  # a chained key: changing the first token changes every later key
         changed = BlockKeyChain(block_size, salt)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from shadow_executor import SPEC, make_engine
 
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sim_executor import CostModelExecutor
+from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.model import LlamaModel
 from kvbench.runner import SimClock, replay
 from kvbench.specs import HardwareSpec

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbench.engines.kv_manager import KVOps, PagedKVManager
-from kvbench.engines.radix_cache import RadixPrefixIndex
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.protocol import KVOps
+from kvbench.engines.kv.radix_cache import RadixPrefixIndex
 
 BS = 4
 

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from shadow_executor import SPEC, make_engine
 
-from kvbench.engines.kv_manager import PagedKVManager
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.prefix_cache import NullPrefixIndex
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.prefix_cache import NullPrefixIndex
-from kvbench.engines.scheduler import Scheduler, SchedulerConfig
+from kvbench.engines.sched.scheduler import Scheduler, SchedulerConfig
 from kvbench.types import Request
 
 
@@ -263,17 +263,11 @@ def test_kv_manager_factory_gets_the_sized_pool_and_its_reject_hook_is_used():
     assert rejected["long"].reason == "picky: prompt over 8 tokens"
 
 
-def test_kv_manager_and_factory_together_are_refused():
-    kv = PagedKVManager(8, 4, 1, NullPrefixIndex())
-    with pytest.raises(ValueError, match="engine.kv_manager"):
-        make_engine(block_size=4, num_blocks=8, kv_manager=kv, kv_manager_factory=lambda *a: kv)
-
-
 def _drive_prompts(prompts: list, chunk_contents: bool = True) -> tuple[list[tuple], list[list[str]]]:
     """Run prompts to completion on a bare scheduler (one sequence at a time, stand-in
     token 7); returns every step's chunks (ids, start, sample, block table) and the
     token-id types of waiting groups."""
-    from kvbench.engines.prefix_cache import BlockHashPrefixIndex
+    from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex
 
     kv = PagedKVManager(32, 4, 16, BlockHashPrefixIndex())
     sched = Scheduler(
@@ -314,7 +308,7 @@ def test_numpy_prompts_stay_their_arrays_and_schedule_like_tuples():
     # Every sequence of a numpy prompt reads the request's own array (no list copy).
     assert all(types == ["ArrayTokenIds"] * len(types) for types in waiting_np)
     assert all(len(types) == 2 for types in waiting_np[:1])
-    from kvbench.engines.sequence import SequenceGroup
+    from kvbench.engines.sched.sequence import SequenceGroup
 
     group = SequenceGroup(Request("r", 0.0, arrays[0], 3), 0, 0, eos_token_id=2)
     assert group.seqs[0].token_ids.array is arrays[0]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from kvbench.sim.cost_model import CostModel, StepShape
-from kvbench.sim.pool import plan_kv_pool
+from kvbench.sim.pool import plan_kv_pool, pool_summary
 from kvbench.sizing import fit
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 
@@ -150,10 +150,10 @@ def test_pool_llama3_70b_fp8_on_h200_by_hand():
     assert plan.usable_memory_bytes == usable
     assert plan.kv_budget_bytes == budget == 64_630_389_145
     assert plan.kv_bytes_per_block == 16 * LLAMA3_70B_KV_PER_TOKEN
-    assert plan.num_blocks == budget // (16 * LLAMA3_70B_KV_PER_TOKEN) == 12_327
-    assert plan.pool_bytes <= plan.kv_budget_bytes
-    assert plan.num_token_slots == 197_232
-    line = plan.summary()
+    assert plan.num_gpu_blocks == budget // (16 * LLAMA3_70B_KV_PER_TOKEN) == 12_327
+    assert plan.num_gpu_blocks * plan.kv_bytes_per_block <= plan.kv_budget_bytes
+    assert plan.max_tokens_paged == 197_232
+    line = pool_summary(plan)
     assert "\n" not in line
     for text in ("llama-3-70b", "h200-141gb", "12,327 blocks", "197,232 tokens", "fp8", "320 KiB/token bf16"):
         assert text in line
@@ -171,7 +171,7 @@ def test_pool_agrees_with_the_size_calculator(block_size, utilization):
         gpu_memory_utilization=utilization,
     )
     report = fit(spec, hw, 1, 1, "bf16", "bf16", block_size=block_size, gpu_memory_utilization=utilization)
-    assert plan.num_blocks == report.num_gpu_blocks
+    assert plan.num_gpu_blocks == report.num_gpu_blocks
     assert plan.kv_budget_bytes == report.kv_budget_bytes
 
 

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbench.engines.kv_manager import DecodeRun
+from kvbench.engines.kv.paged import DecodeRun
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sim_executor import CostModelExecutor
+from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.runner import RawRun, SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import EngineContext, Workload
@@ -238,7 +238,7 @@ def test_tiny_vocabulary_drops_and_registrations_interleave_as_stepping(seed):
 
 
 def test_vectorised_stand_in_tokens_equal_the_scalar_draw():
-    from kvbench.engines.paged import stand_in_token, stand_in_tokens
+    from kvbench.engines.sim.stand_in import stand_in_token, stand_in_tokens
 
     bases = [0, 1, (1 << 63) - 1, 123456789012345]
     samples = [0, 3, 1, 7]

@@ -13,10 +13,9 @@ import pytest
 import torch
 from run_fixtures import sweep_experiment
 
-from kvbench.engines.kv_manager import KVOps
+from kvbench.engines.config import EngineConfig, size_pool
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.scheduler import ScheduledChunk, SchedulerOutput
-from kvbench.engines.sim_executor import CostModelExecutor, sim_setup, simulated_engine
+from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.metrics import per_request
 from kvbench.model import LlamaModel
 from kvbench.runner import RawRun, SimClock, WallClock, replay
@@ -150,7 +149,7 @@ def test_calibrated_simulation_predicts_latency_of_an_unseen_workload():
     assert predicted["tpot_ms"].mean() == pytest.approx(expected["tpot_ms"].mean(), rel=0.10)
 
 
-def test_sim_setup_sizes_the_pool_like_a_real_engine(capsys):
+def test_size_pool_sizes_the_simulated_pool_like_a_real_engine(capsys):
     spec = ModelSpec(
         name="llama-3-70b-fp8", num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128,
         hidden_size=8192, intermediate_size=28672, vocab_size=128256, max_position_embeddings=8192, dtype="fp8",
@@ -159,50 +158,17 @@ def test_sim_setup_sizes_the_pool_like_a_real_engine(capsys):
         name="h100-80gb", memory_bytes=80 * 1024**3, hbm_bandwidth_gbps=3350.0, bf16_tflops=989.0
     )
     ctx = EngineContext(spec, h100, None, "cpu", "bf16", 0, "sim")
-    num_blocks, executor = sim_setup(ctx, block_size=16, num_blocks=None)
+    num_blocks, executor = size_pool(ctx, EngineConfig(kv_memory_bytes=None), None)
     assert num_blocks == 1083  # (0.9 x 80 GiB - 70.55 GB fp8 weights - 1 GiB) // 5 MiB blocks
     assert executor.bytes_per_block == 16 * 327_680
     assert "1,083 blocks x 16 tokens" in capsys.readouterr().out
-    assert sim_setup(ctx, block_size=16, num_blocks=7, log=None)[0] == 7
+    assert size_pool(ctx, EngineConfig(num_blocks=7), None, log=None)[0] == 7
     with pytest.raises(SpecError, match="does not fit"):
-        sim_setup(
+        size_pool(
             dataclasses.replace(ctx, spec=dataclasses.replace(spec, dtype="bf16")),
-            block_size=16,
-            num_blocks=None,
+            EngineConfig(kv_memory_bytes=None),
+            None,
         )
-
-
-def test_simulated_engine_builds_a_paged_engine_only_in_sim_mode():
-    ctx = EngineContext(SPEC, HardwareSpec(), None, "cpu", "fp32", 0, "sim")
-    engine = simulated_engine(ctx, engine=PagedEngine, num_blocks=32, name="paged-sim")
-    assert engine.name == "paged-sim" and engine.num_blocks == 32
-    assert isinstance(engine.executor, CostModelExecutor)
-    with pytest.raises(ValueError, match="run.mode=sim"):
-        simulated_engine(dataclasses.replace(ctx, mode="real"), engine=PagedEngine)
-
-
-def decode_output(context_lens: list[int], kv_ops: tuple = ()) -> SchedulerOutput:
-    chunks = tuple(
-        ScheduledChunk(i, (7,), n - 1, tuple(range(-(-n // 16))), sample=True, is_decode=True)
-        for i, n in enumerate(context_lens)
-    )
-    return SchedulerOutput(chunks, kv_ops, 16, 0, len(chunks), 0, 0, (), ())
-
-
-def test_decode_run_matches_executing_the_same_steps_one_by_one():
-    hw = HardwareSpec(step_overhead_s=1e-3, per_token_overhead_s=1e-5, per_seq_overhead_s=1e-4)
-    ctx = EngineContext(SPEC, hw, None, "cpu", "fp32", 0, "sim")
-    executor = CostModelExecutor.from_context(ctx, block_size=16)
-    lens = [40, 17, 100]
-    run = executor.decode_run_s(decode_output(lens), 5)
-    one_by_one = [executor.execute(decode_output([n + j for n in lens])).modeled_duration_s for j in range(5)]
-    assert run == pytest.approx(one_by_one, rel=1e-12)
-    assert executor.num_steps == 10
-    assert executor.total_modeled_s == pytest.approx(2 * sum(one_by_one), rel=1e-12)
-    with pytest.raises(ValueError, match="decode-only"):
-        executor.decode_run_s(decode_output([]), 2)
-    with pytest.raises(ValueError, match="copies or swaps"):
-        executor.decode_run_s(decode_output(lens, (KVOps(copies=((1, 2),)),)), 2)
 
 
 def test_seed_claims_best_of_8_shares_the_2000_token_prompt(tmp_path):

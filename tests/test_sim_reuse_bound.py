@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sim_executor import CostModelExecutor
+from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.metrics import prefix_reused_tokens, summarize_run
 from kvbench.runner import SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec

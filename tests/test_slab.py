@@ -9,7 +9,6 @@ mode at paper scale (Llama-3-70B on an H100's KV pool).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import random
 from pathlib import Path
@@ -23,23 +22,23 @@ from hypothesis import strategies as st
 from run_fixtures import sweep_experiment
 
 from kvbench.engines.dense import DenseEngine
-from kvbench.engines.executor import ExecutionResult
-from kvbench.engines.kv_manager import KVCapacityError, KVOps, PagedKVManager
-from kvbench.engines.paged import PagedEngine
-from kvbench.engines.prefix_cache import NullPrefixIndex
-from kvbench.engines.scheduler import SchedulerOutput
-from kvbench.engines.sequence import SequenceGroup
-from kvbench.engines.sim_executor import simulated_engine
-from kvbench.engines.slab import (
+from kvbench.engines.exec.executor import ExecutionResult
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.prefix_cache import NullPrefixIndex
+from kvbench.engines.kv.protocol import KVCapacityError, KVOps
+from kvbench.engines.kv.slab import (
     BestFit,
     FirstFit,
     FreeRuns,
     MaxLenReservation,
     RequestReservation,
-    SlabEngine,
     SlabKVManager,
 )
-from kvbench.metrics import summarize
+from kvbench.engines.paged import PagedEngine
+from kvbench.engines.sched.scheduler import SchedulerOutput
+from kvbench.engines.sched.sequence import SequenceGroup
+from kvbench.engines.slab import SlabEngine
+from kvbench.metrics import summarize_run
 from kvbench.model import LlamaModel
 from kvbench.runner import SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
@@ -56,37 +55,39 @@ def req(rid: str, prompt_len: int, max_new: int, **kw) -> Request:
 
 # --------------------------------------------------------------------------- manager scenarios
 class Directory:
-    """A GroupDirectory for driving the manager without a scheduler."""
+    """The scheduler's side of the KV-manager contract, for driving the manager without a
+    scheduler: ``new`` queues a group (``waiting_entered``), ``admit`` reports that it left
+    the waiting queue (``waiting_left``), as the scheduler does around ``allocate``."""
 
-    def __init__(self) -> None:
-        self.waiting: list[SequenceGroup] = []
+    def __init__(self, kv: SlabKVManager) -> None:
+        self.kv = kv
         self.groups: dict[int, SequenceGroup] = {}
         self._next_seq_id = 0
 
-    def group_of(self, seq_id: int) -> SequenceGroup:
-        return self.groups[seq_id]
-
     def new(self, request: Request) -> int:
-        """A new group for ``request``; returns its first sequence id."""
+        """A new waiting group for ``request``; returns its first sequence id."""
         seq_id = self._next_seq_id
         self._next_seq_id += 100
-        self.groups[seq_id] = SequenceGroup(request, seq_id, seq_id, eos_token_id=2)
+        group = self.groups[seq_id] = SequenceGroup(request, seq_id, seq_id, eos_token_id=2)
+        self.kv.waiting_entered(group)
         return seq_id
+
+    def admit(self, seq_id: int) -> None:
+        self.kv.waiting_left(self.groups[seq_id])
 
 
 def manager(
     num_blocks: int, block_size: int, reservation=None, placement=None
 ) -> tuple[SlabKVManager, Directory]:
     kv = SlabKVManager(num_blocks, block_size, BPT, reservation or RequestReservation(), placement)
-    directory = Directory()
-    kv.bind(directory)
-    return kv, directory
+    return kv, Directory(kv)
 
 
 def start(kv: SlabKVManager, directory: Directory, request: Request) -> int:
     seq_id = directory.new(request)
     assert kv.can_allocate(seq_id, request.prompt_token_ids, request.num_prompt_tokens, None)
     assert kv.allocate(seq_id, request.prompt_token_ids, request.num_prompt_tokens, None) == (0, KVOps())
+    directory.admit(seq_id)
     kv.check()
     return seq_id
 
@@ -130,7 +131,6 @@ def test_external_fragmentation_appears_in_a_hand_built_arrival_order():
     kv.free(d)  # 5 blocks free, in runs of 2 and 3
     waiting = req("E", 14, 2)  # 16 tokens: a 4-block region
     e = directory.new(waiting)
-    directory.waiting.append(directory.groups[e])
     assert not kv.can_allocate(e, waiting.prompt_token_ids, 14, None)
     with pytest.raises(KVCapacityError):
         kv.allocate(e, waiting.prompt_token_ids, 14, None)
@@ -145,8 +145,8 @@ def test_external_fragmentation_appears_in_a_hand_built_arrival_order():
     # C ends: the holes merge into one 8-block run, which fits E at its start.
     kv.free(c)
     assert kv.usage().external_frag_bytes == 0
-    directory.waiting.clear()
     kv.allocate(e, waiting.prompt_token_ids, 14, None)
+    directory.admit(e)
     assert kv.region_of(e) == (4, 4)
     assert kv.usage().external_frag_bytes == 0  # nothing waits: free memory is just free
     kv.free(a)
@@ -209,7 +209,7 @@ def test_parallel_samples_reserve_a_region_each_and_copy_the_prompt():
 
 def test_misuse_is_a_clear_error():
     kv = SlabKVManager(8, 4, BPT, RequestReservation())
-    with pytest.raises(RuntimeError, match="not bound to a scheduler"):
+    with pytest.raises(KeyError, match="seq 0 is not in a waiting group"):
         kv.can_allocate(0, [3, 4], 2, None)
     kv, directory = manager(8, 4)
     seq = start(kv, directory, req("A", 4, 4))
@@ -220,14 +220,18 @@ def test_misuse_is_a_clear_error():
     with pytest.raises(KeyError, match="unknown seq 7"):
         kv.num_tokens(7)
     assert not kv.can_swap_out(seq)
-    with pytest.raises(ValueError, match="already bound"):
-        kv.bind(directory)
+    with pytest.raises(ValueError, match="request A is already waiting"):
+        kv.waiting_entered(directory.groups[directory.new(req("A", 4, 4))])
+    with pytest.raises(KeyError, match="request A is not waiting"):
+        kv.waiting_left(directory.groups[seq])
 
 
 # --------------------------------------------------------------------------- shadow executor
 class ShadowExecutor:
     """Tensor-free executor: remembers which token each KV slot holds and checks that every
     position a chunk attends to holds that sequence's token (after the step's copies)."""
+
+    reads_chunk_contents = True
 
     def __init__(self, block_size: int, vocab_size: int, random_logits: bool) -> None:
         self.block_size = block_size
@@ -250,7 +254,7 @@ class ShadowExecutor:
             self.slots.update({slot: token for slot, token in moved.items() if token is not None})
         bs = self.block_size
         for chunk in output.chunks:
-            seq = self.engine.scheduler._seqs[chunk.seq_id][1]
+            seq = self.engine.scheduler.sequence_of(chunk.seq_id)
             for pos in range(chunk.start_pos):
                 slot = chunk.block_table[pos // bs] * bs + pos % bs
                 assert self.slots.get(slot) == seq.token_ids[pos], f"seq {chunk.seq_id} position {pos}"
@@ -451,10 +455,10 @@ def test_sim_mode_llama3_70b_batch_of_32_on_an_h100_pool():
     )
     summaries = {}
     for name, engine in (("paged", PagedEngine), ("slab", SlabEngine)):
-        built = simulated_engine(ctx, engine=engine, max_num_seqs=256, max_num_batched_tokens=8192)
+        built = engine(ctx, kv_memory_bytes=None, max_num_seqs=256, max_num_batched_tokens=8192)
         assert built.num_blocks == 1083
         raw = replay(built, workload, SimClock())
-        summaries[name] = summarize(raw.requests, raw.steps, {})
+        summaries[name] = summarize_run(raw.requests, raw.steps, {}).metrics
         assert summaries[name]["num_completed"] == 32
     paged, slab = summaries["paged"], summaries["slab"]
     assert slab["peak_num_running"] == 2 < paged["peak_num_running"]  # 1,083 // 512-block regions
@@ -463,8 +467,8 @@ def test_sim_mode_llama3_70b_batch_of_32_on_an_h100_pool():
     assert slab["output_tokens_per_s"] < paged["output_tokens_per_s"]
 
 
-def test_seed_claims_slab_experiment_sweeps_the_engine_under_the_sim_wrapper(tmp_path: Path):
-    """The experiment loads conf/engine/<name> into engine.engine (simulated_engine's factory)."""
+def test_seed_claims_slab_experiment_sweeps_the_engines_in_simulation(tmp_path: Path):
+    """The experiment sweeps conf/engine/<name> with its pool sized from the hardware."""
     sweep = sweep_experiment(
         "seed_claims_slab",
         "hydra.sweeper.params.hardware=h100-80gb",
@@ -510,36 +514,23 @@ def test_free_run_indexes_agree_with_a_scan(num_blocks, ops):
     assert runs.num_free_blocks + sum(size for _, size in reserved) == num_blocks
 
 
-def test_waiting_queue_reports_every_change():
-    """Each mutating list method keeps the manager's waiting-region multiset equal to the
-    list's contents (check() recounts it), as insort/pop from the scheduler do."""
+def test_waiting_groups_reported_through_the_contract_set_the_smallest_region():
+    """The scheduler reports each group entering and leaving its waiting queue; the
+    manager's waiting-region multiset follows (check() recounts it)."""
     kv, directory = manager(64, 4)
     groups = [directory.groups[directory.new(req(f"w{i}", 4 * i + 1, 3))] for i in range(8)]
-    waiting = directory.waiting
-    waiting.append(groups[5])
-    bisect.insort(waiting, groups[1], key=lambda g: g.arrival_index)  # calls insert on a subclass
-    waiting.extend(groups[6:8])
-    waiting += [groups[2]]
-    assert [g.request_id for g in waiting] == ["w1", "w5", "w6", "w7", "w2"]
-    assert kv.smallest_waiting_region() == 2  # w1: 5 + 3 tokens in blocks of 4
+    assert kv.smallest_waiting_region() == 1  # w0: 1 + 3 tokens in one block
     kv.check()
-    waiting.pop(0)
-    waiting.remove(groups[7])
-    waiting[0] = groups[3]
-    waiting[1:2] = [groups[4], groups[0]]
+    for group in groups[:2]:
+        kv.waiting_left(group)
+    assert kv.smallest_waiting_region() == 3  # w2: 9 + 3 tokens
+    kv.waiting_entered(groups[1])  # back after a recompute preemption
+    assert kv.smallest_waiting_region() == 2  # w1: 5 + 3 tokens
     kv.check()
-    del waiting[-1]
-    del waiting[:1]
-    waiting *= 2
-    kv.check()
-    assert [g.request_id for g in waiting] == ["w4", "w0", "w4", "w0"]
-    assert kv.smallest_waiting_region() == kv.region_num_blocks(groups[0].request)
-    waiting.clear()
+    for group in groups[1:]:
+        kv.waiting_left(group)
     assert kv.smallest_waiting_region() is None
     kv.check()
-    directory.waiting = []  # a replaced list would go unseen: refused, not miscounted
-    with pytest.raises(RuntimeError, match="replaced its waiting list"):
-        kv.usage()
 
 
 class CountingReservation(RequestReservation):
@@ -562,8 +553,7 @@ def test_usage_does_not_scan_the_waiting_queue():
     kv.free(running[1])
     kv.free(running[3])  # holes of 4 blocks, far smaller than any waiting region
     for i in range(3000):
-        seq_id = directory.new(req(f"w{i}", 5000 - i, 10))
-        directory.waiting.append(directory.groups[seq_id])
+        directory.new(req(f"w{i}", 5000 - i, 10))
     calls = reservation.num_calls
     usages = [kv.usage() for _ in range(1000)]
     assert reservation.num_calls == calls
@@ -580,8 +570,8 @@ def test_sim_figures_match_the_scanning_implementation():
     waste accounting moves them."""
     figures = {}
     for reserve, placement, num_blocks, block_size in PINNED_SIM_CONFIGS:
-        engine = simulated_engine(
-            QUEUEING_CTX, engine=SlabEngine, reserve=reserve, placement=placement, num_blocks=num_blocks,
+        engine = SlabEngine(
+            QUEUEING_CTX, reserve=reserve, placement=placement, num_blocks=num_blocks,
             block_size=block_size, max_num_seqs=8,
         )  # fmt: skip
         figures[(reserve, placement)] = sim_figures(replay(engine, queueing_mix(), SimClock()).steps)

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbench.engines import triton_attention as ta
-from kvbench.engines.attention import (
+from kvbench.engines.exec import triton_attention as ta
+from kvbench.engines.exec.attention import (
     DecodeWorkspace,
     dense_attention_reference,
     paged_decode_attention,
@@ -214,8 +214,8 @@ def test_default_num_splits_fills_the_gpu_but_keeps_splits_long():
 def test_module_imports_and_falls_back_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
-        "from kvbench.engines import triton_attention as ta\n"
-        "from kvbench.engines.attention import paged_decode_attention\n"
+        "from kvbench.engines.exec import triton_attention as ta\n"
+        "from kvbench.engines.exec.attention import paged_decode_attention\n"
         "assert not ta.triton_available()\n"
         "assert ta.select_decode_backend('cuda') is paged_decode_attention\n"
         "try:\n"

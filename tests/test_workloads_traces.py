@@ -20,7 +20,6 @@ from kvbench.workloads.replay import ReplayOptions, replay, scaled_block_lengths
 from kvbench.workloads.tokens import keyed_token_ids
 from kvbench.workloads.trace_formats import CHARS_PER_TOKEN
 from kvbench.workloads.trace_io import SHIPPED_TRACES, detect_format, resolve_trace_path
-from kvbench.workloads.trace_writers import write_azure, write_burstgpt, write_mooncake
 from kvbench.workloads.traces import load_trace, parse_trace
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
@@ -451,38 +450,6 @@ def test_replay_option_and_empty_result_errors() -> None:
         ReplayOptions(max_requests=0)
     with pytest.raises(WorkloadConfigError, match="no request left after the window"):
         load_trace(MOONCAKE_SYN, vocab_size=100, start_s=1e6)
-
-
-# --------------------------------------------------------------------------- round trips
-
-
-@pytest.mark.parametrize("suffix", ["", ".gz"])
-def test_round_trip_mooncake_and_azure_byte_exact(tmp_path, suffix: str) -> None:
-    trace = parse_trace(MOONCAKE_CONV)
-    out = tmp_path / f"m.jsonl{suffix}"
-    write_mooncake(trace.records, out)
-    assert parse_trace(out).records == trace.records
-    if not suffix:
-        assert out.read_bytes() == MOONCAKE_CONV.read_bytes()
-    azure = parse_trace(AZURE_CONV)
-    out = tmp_path / f"a.csv{suffix}"
-    write_azure(azure.records, out, azure.time_origin)
-    assert parse_trace(out).records == azure.records
-    if not suffix:
-        assert out.read_bytes() == AZURE_CONV.read_bytes()
-
-
-def test_round_trip_burstgpt(tmp_path) -> None:
-    trace = parse_trace(BURSTGPT)
-    out = tmp_path / "b.csv"
-    write_burstgpt(trace.records, out)
-    again = parse_trace(out)
-
-    def fields(t):
-        return [(r.timestamp_s, r.input_length, r.output_length, r.tags) for r in t.records]
-
-    assert fields(again) == fields(trace)  # lines differ: the failed request was not written
-    assert again.counters["num_failed_requests_skipped"] == 0
 
 
 # --------------------------------------------------------------------------- bytes (issue 17)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.metrics import prefix_reused_tokens
+from kvbench.sizing import DEFAULT_BLOCK_SIZE
 from kvbench.types import Workload
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
@@ -40,7 +41,7 @@ PERCENTILES = (50, 90, 99)
 # --------------------------------------------------------------------------- statistics
 
 
-def inspect_workload(workload: Workload, block_size: int = 16) -> dict[str, Any]:
+def inspect_workload(workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Any]:
     """Summary of ``workload`` (see the module docstring); pure."""
     _check_block_size(block_size)
     requests = workload.requests  # sorted by arrival (Workload's contract)
@@ -61,7 +62,7 @@ def inspect_workload(workload: Workload, block_size: int = 16) -> dict[str, Any]
     )
 
 
-def inspect_trace(trace: ParsedTrace, block_size: int = 16) -> dict[str, Any]:
+def inspect_trace(trace: ParsedTrace, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Any]:
     """Summary of a parsed trace as recorded (no scaling or caps); pure.
 
     Reuse comes from hash ids (Mooncake), from token ids (ShareGPT), and is 0 for

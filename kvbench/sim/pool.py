@@ -6,62 +6,15 @@ vLLM sizes its block pool after loading the weights and profiling one forward pa
     kv_budget      = usable_bytes - weight_bytes - activation_reserve_bytes
     num_blocks     = kv_budget // (block_size * kv_bytes_per_token)
 
-The arithmetic is ``kvbench.sizing.fit`` (the same numbers ``kvbench size`` prints), so a
-simulated engine and the memory calculator can never disagree. The plan is printed in one
-line when a simulated engine starts (``KVPoolPlan.summary``).
+The arithmetic is ``kvbench.sizing.fit`` and the plan is its ``SizingReport`` (the same
+numbers ``kvbench size`` prints), so a simulated engine and the memory calculator can
+never disagree. ``pool_summary`` is the line a simulated engine prints when it starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from kvbench.sizing import DEFAULT_ACTIVATION_RESERVE_BYTES, GIB, fit
+from kvbench.sizing import DEFAULT_ACTIVATION_RESERVE_BYTES, DEFAULT_BLOCK_SIZE, GIB, SizingReport, fit
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError
-
-
-@dataclass(frozen=True)
-class KVPoolPlan:
-    """The KV pool of one model on one device; every byte figure is exact."""
-
-    model_name: str
-    hardware_name: str
-    kv_dtype: str
-    weight_dtype: str
-    block_size: int
-    gpu_memory_utilization: float
-    memory_bytes: int
-    usable_memory_bytes: int
-    weight_bytes: int
-    activation_reserve_bytes: int
-    kv_budget_bytes: int
-    kv_bytes_per_token: int
-    kv_bytes_per_block: int
-    num_blocks: int
-
-    @property
-    def pool_bytes(self) -> int:
-        """Bytes the block pool occupies (whole blocks; <= kv_budget_bytes)."""
-        return self.num_blocks * self.kv_bytes_per_block
-
-    @property
-    def num_token_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def summary(self) -> str:
-        """One line for the start of a simulated run, e.g.
-
-        ``KV pool llama-3-70b on h200-141gb: 141.00 GiB x 0.9 - weights 65.71 GiB (fp8)
-        - activations 1.00 GiB = 60.20 GiB -> 12,327 blocks x 16 tokens (197,232 tokens,
-        320 KiB/token bf16)``
-        """
-        return (
-            f"KV pool {self.model_name} on {self.hardware_name}: "
-            f"{self.memory_bytes / GIB:,.2f} GiB x {self.gpu_memory_utilization} "
-            f"- weights {self.weight_bytes / GIB:,.2f} GiB ({self.weight_dtype}) "
-            f"- activations {self.activation_reserve_bytes / GIB:,.2f} GiB "
-            f"= {self.kv_budget_bytes / GIB:,.2f} GiB -> {self.num_blocks:,} blocks x {self.block_size} tokens "
-            f"({self.num_token_slots:,} tokens, {self.kv_bytes_per_token / 1024:,.0f} KiB/token {self.kv_dtype})"
-        )
 
 
 def plan_kv_pool(
@@ -70,11 +23,12 @@ def plan_kv_pool(
     *,
     kv_dtype: str,
     weight_dtype: str,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     gpu_memory_utilization: float = 0.9,
     activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES,
-) -> KVPoolPlan:
-    """Size the KV pool of ``spec`` on ``hardware`` (formulas in the module docstring).
+) -> SizingReport:
+    """Size the KV pool of ``spec`` on ``hardware`` (formulas in the module docstring):
+    ``num_gpu_blocks`` blocks of ``kv_bytes_per_block`` bytes.
 
     Pure function. Raises SpecError naming the field for an invalid argument (see
     ``kvbench.sizing.fit``) and when the weights plus the activation reserve leave no
@@ -99,19 +53,21 @@ def plan_kv_pool(
             f"- activations {activation_reserve_bytes / GIB:,.2f} GiB leaves no room for one "
             f"{report.kv_bytes_per_block:,}-byte KV block; use smaller weights (run.dtype=fp8) or more memory"
         )
-    return KVPoolPlan(
-        model_name=spec.name,
-        hardware_name=hardware.name,
-        kv_dtype=kv_dtype,
-        weight_dtype=weight_dtype,
-        block_size=block_size,
-        gpu_memory_utilization=gpu_memory_utilization,
-        memory_bytes=report.memory_bytes,
-        usable_memory_bytes=report.usable_memory_bytes,
-        weight_bytes=report.weight_bytes,
-        activation_reserve_bytes=activation_reserve_bytes,
-        kv_budget_bytes=report.kv_budget_bytes,
-        kv_bytes_per_token=report.kv_bytes_per_token,
-        kv_bytes_per_block=report.kv_bytes_per_block,
-        num_blocks=report.num_gpu_blocks,
+    return report
+
+
+def pool_summary(plan: SizingReport) -> str:
+    """One line for the start of a simulated run, e.g.
+
+    ``KV pool llama-3-70b on h200-141gb: 141.00 GiB x 0.9 - weights 65.71 GiB (fp8)
+    - activations 1.00 GiB = 60.20 GiB -> 12,327 blocks x 16 tokens (197,232 tokens,
+    320 KiB/token bf16)``
+    """
+    return (
+        f"KV pool {plan.model_name} on {plan.hardware_name}: "
+        f"{plan.memory_bytes / GIB:,.2f} GiB x {plan.gpu_memory_utilization} "
+        f"- weights {plan.weight_bytes / GIB:,.2f} GiB ({plan.weight_dtype}) "
+        f"- activations {plan.activation_reserve_bytes / GIB:,.2f} GiB "
+        f"= {plan.kv_budget_bytes / GIB:,.2f} GiB -> {plan.num_gpu_blocks:,} blocks x {plan.block_size} tokens "
+        f"({plan.max_tokens_paged:,} tokens, {plan.kv_bytes_per_token / 1024:,.0f} KiB/token {plan.kv_dtype})"
     )

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvbench.engines.attention import (
+from kvbench.engines.exec.attention import (
     DecodeWorkspace,
     contiguous_decode_attention,
     paged_decode_attention,
@@ -141,7 +141,7 @@ def _cuda_event_median_s(fn: Callable[[], object], iters: int = 20, warmup: int 
 @pytest.mark.parametrize("context", [4096, 8192])
 @pytest.mark.parametrize("batch", [16, 64])
 def test_gpu_triton_decode(benchmark, capsys, batch, context):
-    from kvbench.engines.triton_attention import triton_available, triton_paged_decode_attention
+    from kvbench.engines.exec.triton_attention import triton_available, triton_paged_decode_attention
 
     if not triton_available():
         pytest.skip("triton is not installed")

@@ -12,7 +12,7 @@ import timeit
 
 import pytest
 
-from kvbench.engines.block_pool import BlockPool
+from kvbench.engines.kv.block_pool import BlockPool
 
 SMALL = 4096
 LARGE = 16 * SMALL

@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbench.engines.kv_manager import PagedKVManager
-from kvbench.engines.prefix_cache import BlockHashPrefixIndex
-from kvbench.engines.radix_cache import RadixPrefixIndex
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex
+from kvbench.engines.kv.radix_cache import RadixPrefixIndex
 
 BLOCK_SIZE = 16
 INDEXES: dict[str, Callable[[], object]] = {"hash": BlockHashPrefixIndex, "radix": RadixPrefixIndex}

@@ -19,9 +19,10 @@ import timeit
 import pytest
 import torch
 
-from kvbench.engines.kv_manager import PagedKVManager
-from kvbench.engines.paged import PREFIX_INDEXES, PagedEngine
-from kvbench.engines.scheduler import Scheduler, SchedulerConfig
+from kvbench.engines.config import PREFIX_INDEXES
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.paged import PagedEngine
+from kvbench.engines.sched.scheduler import Scheduler, SchedulerConfig
 from kvbench.model import LlamaModel
 from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import EngineContext, Request

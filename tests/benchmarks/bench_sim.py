@@ -18,8 +18,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from kvbench.engines.config import EngineConfig, size_pool
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sim_executor import sim_setup
 from kvbench.metrics import per_request
 from kvbench.model import LlamaModel
 from kvbench.runner import SimClock, WallClock, replay
@@ -41,7 +41,7 @@ def _llama3_70b_fp8_on_h200(max_positions: int = 8192) -> EngineContext:
 
 
 def _sim_engine(ctx: EngineContext) -> PagedEngine:
-    num_blocks, executor = sim_setup(ctx, block_size=16, num_blocks=None, log=None)
+    num_blocks, executor = size_pool(ctx, EngineConfig(kv_memory_bytes=None), None, log=None)
     return PagedEngine(
         ctx, num_blocks=num_blocks, executor=executor, max_num_seqs=256, max_num_batched_tokens=8192
     )
@@ -149,7 +149,8 @@ def test_sim_fidelity_after_cpu_calibration(benchmark):
 
     def sim(w: Workload, hw: HardwareSpec):
         ctx = EngineContext(spec, hw, None, "cpu", "fp32", 0, "sim")
-        num_blocks, executor = sim_setup(ctx, block_size=16, num_blocks=params["num_blocks"], log=None)
+        config = EngineConfig(num_blocks=params["num_blocks"], kv_memory_bytes=None)
+        num_blocks, executor = size_pool(ctx, config, None, log=None)
         return replay(PagedEngine(ctx, executor=executor, **params), w, SimClock())
 
     def experiment() -> dict[str, float]:

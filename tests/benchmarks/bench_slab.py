@@ -33,8 +33,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from kvbench.engines.config import EngineConfig, size_pool
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sim_executor import sim_setup
 from kvbench.engines.slab import SlabEngine
 from kvbench.runner import SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
@@ -55,7 +55,7 @@ def _llama3_70b_128k_fp8_on_h200() -> EngineContext:
 def _replay_cpu_s(ctx: EngineContext, engine_name: str, workload: Workload) -> tuple[float, int, int]:
     """CPU seconds, steps and completed requests of one replay on a fresh engine; fails
     when a request went unanswered (neither finished nor rejected)."""
-    num_blocks, executor = sim_setup(ctx, block_size=16, num_blocks=None, log=None)
+    num_blocks, executor = size_pool(ctx, EngineConfig(kv_memory_bytes=None), None, log=None)
     params = {"reserve": "request"} if engine_name == "slab" else {}
     engine = ENGINES[engine_name](
         ctx, num_blocks=num_blocks, executor=executor, max_num_seqs=256, max_num_batched_tokens=8192, **params

@@ -22,7 +22,7 @@ from collections.abc import MutableSequence
 
 import numpy as np
 
-from kvbench.engines.prefix_cache import ArrayTokenIds, KeyCarrier, KeyedTokenIds
+from kvbench.engines.kv.token_ids import ArrayTokenIds, KeyCarrier, KeyedTokenIds
 from kvbench.types import FinishedRequest, Request
 
 
@@ -92,6 +92,12 @@ class Sequence:
         )
 
 
+def num_samples(request: Request) -> int:
+    """Sequences ``request`` runs at most at once: its beam width for beam search, else
+    ``n`` (parallel samples). Pure."""
+    return request.beam_width if request.beam_width > 1 else request.n
+
+
 class SequenceGroup:
     """All sequences of one request plus the per-request counters the engine reports.
 
@@ -117,17 +123,18 @@ class SequenceGroup:
         "peak_kv_slots_unshared",
         "eos_token_id",
         "num_detached",
+        "num_samples",
     )
 
     def __init__(self, request: Request, arrival_index: int, first_seq_id: int, eos_token_id: int) -> None:
         self.request = request
+        self.num_samples = num_samples(request)  # sequences it runs at most at once
         self.eos_token_id = eos_token_id
         self.arrival_index = arrival_index
         # Append-only token ids that remember their prefix-cache block keys (computed once).
-        # A numpy prompt (large traces) stays the request's array (ArrayTokenIds): as
-        # Python ints it takes ~10x the memory (the full Mooncake trace held 6.9 GB of
-        # prompt lists while waiting), and building the lists cost more than the replay
-        # reads of them.
+        # A numpy prompt (large traces) stays the request's array (ArrayTokenIds): nothing
+        # reads its ids one by one in simulation, and Python int lists of waiting prompts
+        # would hold several times the memory.
         prompt = request.prompt_token_ids
         integer_array = isinstance(prompt, np.ndarray) and prompt.dtype.kind in "iu"
         tokens = ArrayTokenIds(prompt) if integer_array else KeyedTokenIds(prompt)
@@ -155,11 +162,6 @@ class SequenceGroup:
     @property
     def is_beam(self) -> bool:
         return self.request.beam_width > 1
-
-    @property
-    def num_samples(self) -> int:
-        """Sequences this request runs at most at once (n, or the beam width)."""
-        return self.request.beam_width if self.is_beam else self.request.n
 
     @property
     def is_done(self) -> bool:

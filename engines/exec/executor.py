@@ -3,6 +3,7 @@
 The interface (what the paged engine needs from any executor)::
 
     class Executor(Protocol):
+        reads_chunk_contents: bool
         def execute(self, output: SchedulerOutput) -> ExecutionResult: ...
         def describe(self) -> dict[str, Any]: ...
 
@@ -32,18 +33,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
-from kvbench.engines.attention import (
+from kvbench.engines.exec.attention import (
     DecodeWorkspace,
     paged_decode_attention,
     paged_prefill_attention,
     write_kv,
 )
-from kvbench.engines.triton_attention import select_decode_backend
+from kvbench.engines.exec.triton_attention import select_decode_backend
 from kvbench.model import LlamaModel, torch_dtype
 
 if TYPE_CHECKING:
-    from kvbench.engines.kv_manager import KVOps
-    from kvbench.engines.scheduler import ScheduledChunk, SchedulerOutput
+    from kvbench.engines.kv.protocol import KVOps
+    from kvbench.engines.sched.scheduler import ScheduledChunk, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,18 @@ class ExecutionResult:
 
 
 class Executor(Protocol):
+    # False when the executor reads neither chunk token ids nor block tables (simulation
+    # prices steps from their shapes), so the scheduler need not copy them
+    # (``Scheduler(chunk_contents=...)``).
+    reads_chunk_contents: bool
+
     def execute(self, output: SchedulerOutput) -> ExecutionResult:
         """Apply ``output.kv_ops`` in order, run ``output.chunks``; see the module docstring."""
         ...
 
-    # Optional attribute ``reads_chunk_contents: bool`` (default True): False when the
-    # executor reads neither chunk token ids nor block tables (simulation), so the
-    # scheduler need not copy them (``Scheduler(chunk_contents=...)``).
-
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> dict[str, Any]:
+        """Static facts for run.json (executor kind, tensor shapes or cost-model inputs). Pure."""
+        ...
 
 
 class PagedAttentionBackend:
@@ -132,6 +136,8 @@ class PagedAttentionBackend:
 
 class TorchExecutor:
     """Real execution on ``device``: the KV pool tensors plus the model forward (see module doc)."""
+
+    reads_chunk_contents = True
 
     def __init__(
         self,

@@ -28,8 +28,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Container, Sequence
 
-from kvbench.engines.block_pool import BlockPool
-from kvbench.engines.prefix_cache import NO_MATCH, PrefixMatch
+from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.prefix_cache import NO_MATCH, PrefixMatch
 
 
 class _Node:

@@ -40,14 +40,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvbench.engines.kv_manager import NO_OPS
-from kvbench.engines.prefix_cache import TokenPrefix, TokenSpan
-from kvbench.engines.sequence import GroupStatus, Sequence, SequenceGroup
+from kvbench.engines.kv.protocol import NO_OPS
+from kvbench.engines.kv.token_ids import TokenPrefix, TokenSpan
+from kvbench.engines.sched.sequence import GroupStatus, Sequence, SequenceGroup, num_samples
 from kvbench.sim.cost_model import StepShape
 from kvbench.types import FinishedRequest, RejectedRequest, Request
 
 if TYPE_CHECKING:
-    from kvbench.engines.kv_manager import DecodeRun, KVOps, PagedKVManager
+    from kvbench.engines.kv.paged import DecodeRun
+    from kvbench.engines.kv.protocol import KVManager, KVOps
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -82,7 +83,8 @@ VICTIM_POLICIES: dict[str, Callable[[], Any]] = {
 # --------------------------------------------------------------------------- records
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one scheduler. ``validate`` names the offending ``engine.*`` parameter."""
+    """Limits of one scheduler, checked on construction (ValueError naming the offending
+    ``engine.*`` parameter). The defaults are the engines' (``engines/config.DEFAULTS``)."""
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -91,7 +93,7 @@ class SchedulerConfig:
     victim_policy: str = "newest"
     max_model_len: int = 2048
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError(f"engine.max_num_seqs: must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
@@ -113,9 +115,9 @@ class ScheduledChunk(NamedTuple):
     go to the slots given by ``block_table`` (physical block ids in logical order, valid
     after this step's ``kv_ops``; a copy owned by the chunk). With
     ``Scheduler(chunk_contents=False)`` (an executor that reads neither) the ids are a
-    read-only view and the table is empty. ``sample`` asks for logits of the last token. A NamedTuple rather than a frozen dataclass: one is built per running
-    sequence per step, and the frozen dataclass constructor alone cost ~0.7 us of the
-    5 us per-sequence budget (NamedTuple: ~0.25 us); it is just as immutable.
+    read-only view and the table is empty. ``sample`` asks for logits of the last token.
+    A NamedTuple (immutable, like a frozen dataclass, and cheaper to build): one is built
+    per running sequence per step.
     """
 
     seq_id: int
@@ -140,7 +142,6 @@ class SchedulerOutput:
 
     chunks: tuple[ScheduledChunk, ...]
     kv_ops: tuple[KVOps, ...]
-    block_size: int
     num_prefill_tokens: int
     num_decode_tokens: int
     num_preemptions: int
@@ -194,15 +195,14 @@ class Scheduler:
     """
 
     def __init__(
-        self, kv: PagedKVManager, config: SchedulerConfig, eos_token_id: int, *, chunk_contents: bool = True
+        self, kv: KVManager, config: SchedulerConfig, eos_token_id: int, *, chunk_contents: bool = True
     ) -> None:
-        config.validate()
         self.kv = kv
         self.config = config
         self.eos_token_id = eos_token_id
         # Whether chunks carry their own copies of token ids and block tables. An executor
         # that only prices steps (simulation) reads neither: chunks then hold a view of
-        # the ids and no table, which saved copying every prompt twice on long traces.
+        # the ids and no table, so prompts are never copied for them.
         self.chunk_contents = chunk_contents
         self.policy = VICTIM_POLICIES[config.victim_policy]()
         self.block_size = kv.block_size
@@ -238,7 +238,7 @@ class Scheduler:
         group = SequenceGroup(request, self._next_arrival, self._new_seq_id(), self.eos_token_id)
         self._next_arrival += 1
         self._seqs[group.seqs[0].seq_id] = (group, group.seqs[0])
-        self._insert(self.waiting, group)
+        self._enqueue_waiting(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._pending_rejections)
@@ -250,15 +250,14 @@ class Scheduler:
         token is never fed back); the prompt's full blocks are shared after a fork.
         """
         bs = self.block_size
-        num_samples = request.beam_width if request.beam_width > 1 else request.n
         max_len = request.num_prompt_tokens + request.max_new_tokens - 1
         shared = request.num_prompt_tokens // bs
         per_sample = -(-max_len // bs) - shared
-        return shared + num_samples * per_sample
+        return shared + num_samples(request) * per_sample
 
     def _static_reject_reason(self, request: Request) -> str | None:
         cfg = self.config
-        num_samples = request.beam_width if request.beam_width > 1 else request.n
+        num_seqs = num_samples(request)
         if request.num_prompt_tokens == 0:
             return "empty prompt"
         if request.max_new_tokens <= 0:
@@ -273,8 +272,8 @@ class Scheduler:
                 f"prompt {request.num_prompt_tokens} + max_new_tokens {request.max_new_tokens} = {total} "
                 f"exceeds the model's max positions {cfg.max_model_len}"
             )
-        if num_samples > cfg.max_num_seqs:
-            return f"needs {num_samples} sequences, more than engine.max_num_seqs={cfg.max_num_seqs}"
+        if num_seqs > cfg.max_num_seqs:
+            return f"needs {num_seqs} sequences, more than engine.max_num_seqs={cfg.max_num_seqs}"
         if request.beam_width > cfg.max_num_batched_tokens:
             return (
                 f"beam_width {request.beam_width} beams decode in lockstep, more tokens than "
@@ -285,10 +284,9 @@ class Scheduler:
                 f"prompt {request.num_prompt_tokens} tokens exceeds engine.max_num_batched_tokens="
                 f"{cfg.max_num_batched_tokens} with chunked_prefill off"
             )
-        # Optional manager hook: a manager with its own capacity rule (the slab reserves
-        # whole regions) names why it can never hold the request; None lets it through.
-        reject = getattr(self.kv, "reject_reason", None)
-        reason = reject(request) if reject is not None else None
+        # A manager with its own capacity rule (the slab reserves whole regions) names why
+        # it can never hold the request (the KV-manager contract); None lets it through.
+        reason = self.kv.reject_reason(request)
         if reason is not None:
             return reason
         needed = self.num_blocks_needed(request)
@@ -339,7 +337,6 @@ class Scheduler:
         return SchedulerOutput(
             chunks=chunks,
             kv_ops=tuple(self._ops),
-            block_size=self.block_size,
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
             num_preemptions=self._num_preemptions,
@@ -440,7 +437,7 @@ class Scheduler:
         watch: Container[int] = ()  # nothing can start: no block matters
         if self.waiting and budget > 0:
             group = self.waiting[0]
-            if self._num_running_seqs + group.num_samples <= self.config.max_num_seqs:
+            if self._fits_seq_budget(group):
                 if len(group.seqs) != 1:
                     return 0
                 found = self.kv.match_watch(
@@ -495,22 +492,40 @@ class Scheduler:
         if not self.waiting or budget <= 0:
             return False
         group = self.waiting[0]
-        if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
+        if not self._fits_seq_budget(group):
             return False
         if len(group.seqs) != 1:
             return True
-        kv = self.kv
         seq = group.seqs[0]
         salt = group.request.cache_salt
-        hold_last = 1 if group.is_beam and group.has_forked else 0
-        remaining = max(len(seq.token_ids) - hold_last - kv.num_cached_tokens(seq.token_ids, salt), 0)
+        # The decode pieces of this step are already planned (has_pieces).
+        num_tokens = self._first_chunk(seq, group.is_beam and group.has_forked, salt, budget, True)
+        return num_tokens is not None and self.kv.can_allocate(seq.seq_id, seq.token_ids, num_tokens, salt)
+
+    # The admission rule, shared by _admit_waiting and the decode-run checks above.
+    def _fits_seq_budget(self, group: SequenceGroup) -> bool:
+        """Whether ``group``'s samples fit the sequence budget next to the running ones. Pure."""
+        return self._num_running_seqs + group.num_samples <= self.config.max_num_seqs
+
+    def _first_chunk(
+        self, seq: Sequence, hold_last: bool, salt: str | None, budget: int, has_pieces: bool
+    ) -> int | None:
+        """Tokens ``seq`` computes in its first step if admitted now with ``budget`` tokens
+        left: its uncached tokens (all but the last for a forked beam), chunked to the
+        budget; 0 for a beam whose history is cached but for its last token (it still
+        attaches its blocks). None when its prefill cannot start in this step: unchunked,
+        over the budget, and other pieces (``has_pieces``) are planned. Pure apart from
+        the prefix index's match memo."""
+        remaining = (
+            len(seq.token_ids) - (1 if hold_last else 0) - self.kv.num_cached_tokens(seq.token_ids, salt)
+        )
+        if remaining < 0:
+            remaining = 0
         if self.config.chunked_prefill:
-            num_tokens = min(remaining, budget)
-        elif remaining > budget:
-            return False  # the decode pieces of this step are already there
-        else:
-            num_tokens = remaining
-        return kv.can_allocate(seq.seq_id, seq.token_ids, num_tokens, salt)
+            return min(remaining, budget)
+        if remaining > budget and has_pieces:
+            return None
+        return remaining
 
     def _num_tokens_to_run(self, group: SequenceGroup, seq: Sequence, hold_last: bool) -> int:
         """Tokens of ``seq`` to compute now under the remaining budget (0: nothing now)."""
@@ -697,7 +712,7 @@ class Scheduler:
                 kv.free(seq.seq_id)
         group.num_detached = 0
         group.status = GroupStatus.WAITING
-        self._insert(self.waiting, group)
+        self._enqueue_waiting(group)
 
     def _unblock_swapped(self, first_scheduled: list[str]) -> None:
         """Nothing runs and the head swapped group cannot come back: the other swapped
@@ -731,7 +746,7 @@ class Scheduler:
         """Bring swapped groups back in policy order while blocks and sequence slots allow."""
         while self.swapped:
             group = self.swapped[0]
-            if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
+            if not self._fits_seq_budget(group):
                 return
             moved: list[Sequence] = []
             for seq in group.seqs:
@@ -756,12 +771,12 @@ class Scheduler:
         kv = self.kv
         while self.waiting and self._budget > 0:
             group = self.waiting[0]
-            if self._num_running_seqs + group.num_samples > self.config.max_num_seqs:
+            if not self._fits_seq_budget(group):
                 return
             if group.has_forked and len(group.seqs) > 1:
                 if not self._admit_forked(group):
                     return
-                self.waiting.pop(0)
+                self._dequeue_waiting()
                 group.status = GroupStatus.RUNNING
                 self._num_running_seqs += group.num_samples
                 self._insert(self.running, group)
@@ -770,16 +785,8 @@ class Scheduler:
             salt = group.request.cache_salt
             admitted: list[Sequence] = []
             for seq in group.seqs:
-                cached = kv.num_cached_tokens(seq.token_ids, salt)
-                remaining = len(seq.token_ids) - (1 if hold_last else 0) - cached
-                if remaining <= 0:
-                    # A beam whose whole history but its last token is cached: nothing
-                    # to compute now, but it still needs its blocks attached.
-                    remaining = 0
-                num_tokens = min(remaining, self._budget) if self.config.chunked_prefill else remaining
-                if not self.config.chunked_prefill and remaining > self._budget and self._pieces:
-                    break
-                if not kv.can_allocate(seq.seq_id, seq.token_ids, num_tokens, salt):
+                num_tokens = self._first_chunk(seq, hold_last, salt, self._budget, bool(self._pieces))
+                if num_tokens is None or not kv.can_allocate(seq.seq_id, seq.token_ids, num_tokens, salt):
                     break
                 num_cached, ops = kv.allocate(seq.seq_id, seq.token_ids, num_tokens, salt)
                 self._ops.append(ops)
@@ -788,7 +795,7 @@ class Scheduler:
                 if num_tokens > 0:
                     self._add_piece(group, seq, num_cached, num_tokens)
             else:
-                self.waiting.pop(0)
+                self._dequeue_waiting()
                 group.status = GroupStatus.RUNNING
                 self._num_running_seqs += group.num_samples
                 self._insert(self.running, group)
@@ -853,7 +860,10 @@ class Scheduler:
         queue = self.swapped or self.waiting
         if not queue:
             return []
-        group = queue.pop(0)
+        if queue is self.waiting:
+            group = self._dequeue_waiting()
+        else:
+            group = queue.pop(0)
         self._release(group)
         where = "swapped" if queue is self.swapped else "waiting"
         return [
@@ -1070,6 +1080,18 @@ class Scheduler:
     def _insert(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
         bisect.insort(queue, group, key=self.policy.key)
 
+    # Every change of the waiting queue goes through these two, which report it to the KV
+    # manager (the contract's waiting_entered / waiting_left: the slab sizes its external
+    # fragmentation by what waits).
+    def _enqueue_waiting(self, group: SequenceGroup) -> None:
+        self._insert(self.waiting, group)
+        self.kv.waiting_entered(group)
+
+    def _dequeue_waiting(self) -> SequenceGroup:
+        group = self.waiting.pop(0)
+        self.kv.waiting_left(group)
+        return group
+
     def _new_seq_id(self) -> int:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
@@ -1117,7 +1139,14 @@ class Scheduler:
 
     def group_of(self, seq_id: int) -> SequenceGroup:
         """The group owning a live sequence; KeyError naming the id otherwise."""
+        return self._live(seq_id)[0]
+
+    def sequence_of(self, seq_id: int) -> Sequence:
+        """A live sequence by id (an executor checking what it stores); KeyError otherwise."""
+        return self._live(seq_id)[1]
+
+    def _live(self, seq_id: int) -> tuple[SequenceGroup, Sequence]:
         try:
-            return self._seqs[seq_id][0]
+            return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"sequence {seq_id} is not live in the scheduler") from None

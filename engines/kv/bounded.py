@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbench.engines.block_pool import BlockPool
-from kvbench.engines.eviction import EvictionPolicy
-from kvbench.engines.kv_manager import NO_OPS, KVCapacityError, KVOps, SeqTable
+from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.eviction import EvictionPolicy
+from kvbench.engines.kv.paged import SeqTable, check_sizes
+from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps
 from kvbench.types import KVUsage
 
 
@@ -70,14 +71,7 @@ class BoundedKVManager(SeqTable):
         num_host_blocks: int = 0,
         keeps_evicted_kv: bool = False,
     ) -> None:
-        for name, value, low in (
-            ("num_blocks", num_blocks, 1),
-            ("block_size", block_size, 1),
-            ("bytes_per_token", bytes_per_token, 1),
-            ("num_host_blocks", num_host_blocks, 0),
-        ):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"BoundedKVManager.{name}: must be an int >= {low}, got {value!r}")
+        check_sizes("BoundedKVManager", num_blocks, block_size, bytes_per_token, num_host_blocks)
         policy.validate()
         self.num_blocks = num_blocks
         self.block_size = block_size

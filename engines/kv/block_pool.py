@@ -195,8 +195,8 @@ class BlockPool:
 
     def allocate_many(self, num_blocks: int) -> list[int]:
         """``allocate`` ``num_blocks`` times (head first): the same blocks, flags and listener
-        calls, in one pass. A long prefill chunk takes hundreds of blocks per step, and one
-        method call per block dominated it. The listener runs after all blocks left the
+        calls, in one pass (a long prefill chunk takes hundreds of blocks per step). The
+        listener runs after all blocks left the
         free list, in allocation order. Raises MemoryError, allocating nothing, when fewer
         are free."""
         if num_blocks > self._num_free:
@@ -340,8 +340,9 @@ class BlockPool:
         return num_freed
 
     def set_cached_many(self, block_ids: Iterable[int]) -> None:
-        """``set_cached(b, True)`` for each block (the block-hash index registers a whole
-        prefill chunk's blocks at once)."""
+        """Flag each block as holding reusable KV (the block-hash index registers a whole
+        prefill chunk's blocks at once); a flag is cleared only when the pool reuses the
+        block. Mutates the flags and the cached-free count."""
         cached, ref = self._cached, self._ref
         for b in block_ids:
             if not cached[b]:
@@ -367,14 +368,6 @@ class BlockPool:
         if s == self._ref[block_id]:
             self._num_reclaimable -= 1
         self._soft[block_id] = s - 1
-
-    def set_cached(self, block_id: int, cached: bool) -> None:
-        """Flag a block as holding reusable KV (set by the block-hash index on registration)."""
-        if self._cached[block_id] == cached:
-            return
-        self._cached[block_id] = cached
-        if self._ref[block_id] == 0:
-            self._num_cached_free += 1 if cached else -1
 
     # ------------------------------------------------------------------ invariants
     def check(self) -> None:

@@ -24,34 +24,18 @@ stay referenced by the swapped sequence, because other holders still read them.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbench.engines.block_pool import BlockPool
-from kvbench.engines.prefix_cache import PrefixIndex, PrefixMatch, TokenPrefix
-from kvbench.types import KVUsage
+from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.prefix_cache import PrefixIndex, PrefixMatch
+from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.kv.token_ids import TokenPrefix
+from kvbench.types import KVUsage, Request
 
-
-@dataclass(frozen=True)
-class KVOps:
-    """Tensor work the executor must do BEFORE this step's forward pass (block ids)."""
-
-    copies: tuple[tuple[int, int], ...] = ()  # (src_block, dst_block): copy-on-write of a shared block
-    swap_out: tuple[tuple[int, int], ...] = ()  # (device_block, host_block)
-    swap_in: tuple[tuple[int, int], ...] = ()  # (host_block, device_block)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.copies or self.swap_out or self.swap_in)
-
-
-NO_OPS = KVOps()
-
-
-class KVCapacityError(RuntimeError):
-    """An act call (allocate, append, swap) whose check call (can_*) was False."""
+if TYPE_CHECKING:
+    from kvbench.engines.sched.sequence import SequenceGroup
 
 
 class _Seq:
@@ -66,6 +50,21 @@ class _Seq:
         self.host_blocks: dict[int, int] | None = None  # logical index -> host block; None: resident
 
 
+def check_sizes(
+    owner: str, num_blocks: int, block_size: int, bytes_per_token: int, num_host_blocks: int = 0
+) -> None:
+    """Raise ValueError naming ``<owner>.<size>`` unless every size is an int >= 1
+    (``num_host_blocks`` >= 0): the pool shape every KV manager is built with. Pure."""
+    for name, value, low in (
+        ("num_blocks", num_blocks, 1),
+        ("block_size", block_size, 1),
+        ("bytes_per_token", bytes_per_token, 1),
+        ("num_host_blocks", num_host_blocks, 0),
+    ):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{owner}.{name}: must be an int >= {low}, got {value!r}")
+
+
 class SeqTable:
     """Per-sequence bookkeeping shared by the KV managers: lookups that name the
     sequence and the operation on misuse. Subclasses keep ``_seqs`` (seq id -> state with
@@ -77,6 +76,18 @@ class SeqTable:
 
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
+
+    # A manager whose capacity rule is the block count alone (paged, bounded) rejects no
+    # request on its own (the scheduler checks the block count) and ignores the waiting
+    # queue; the slab manager overrides all three (``engines/kv/protocol.py``).
+    def reject_reason(self, request: Request) -> str | None:
+        return None
+
+    def waiting_entered(self, group: SequenceGroup) -> None:
+        return None
+
+    def waiting_left(self, group: SequenceGroup) -> None:
+        return None
 
     def is_swapped(self, seq_id: int) -> bool:
         return self._seq(seq_id).host_blocks is not None
@@ -142,14 +153,7 @@ class PagedKVManager(SeqTable):
         prefix_index: PrefixIndex,
         num_host_blocks: int = 0,
     ) -> None:
-        for name, value, low in (
-            ("num_blocks", num_blocks, 1),
-            ("block_size", block_size, 1),
-            ("bytes_per_token", bytes_per_token, 1),
-            ("num_host_blocks", num_host_blocks, 0),
-        ):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"PagedKVManager.{name}: must be an int >= {low}, got {value!r}")
+        check_sizes("PagedKVManager", num_blocks, block_size, bytes_per_token, num_host_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token
@@ -307,8 +311,7 @@ class PagedKVManager(SeqTable):
         """The prefix index's ``match_watch``: blocks whose reuse could change what
         ``can_allocate(.., token_ids, .., extra_key)`` finds cached while only ``seq_ids``
         decode; None when anything might. Pure apart from the index's match memo."""
-        match_watch = getattr(self.prefix_index, "match_watch", None)  # optional for third-party indexes
-        return None if match_watch is None else match_watch(token_ids, extra_key, seq_ids)
+        return self.prefix_index.match_watch(token_ids, extra_key, seq_ids)
 
     def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
         """Start growing ``seq_ids`` by one slot per step (see ``DecodeRun``). Mutates
@@ -439,7 +442,7 @@ class PagedKVManager(SeqTable):
     # ------------------------------------------------------------------ usage / check
     def usage(self) -> KVUsage:
         """Memory now, in bytes of the device pool (cached = held only by the prefix cache)."""
-        return self._usage(*self.usage_counts())
+        return self.usage_of(*self.usage_counts())
 
     def usage_counts(self) -> tuple[int, int, int]:
         """(blocks in use, claimed token slots, free blocks holding no cached KV) now: the
@@ -453,7 +456,7 @@ class PagedKVManager(SeqTable):
         fields = self._count_fields(in_use, token_slots, free)
         return {f"kv.{name}": values.tolist() for name, values in fields.items()}
 
-    def _usage(self, in_use: int, token_slots: int, free: int) -> KVUsage:
+    def usage_of(self, in_use: int, token_slots: int, free: int) -> KVUsage:
         """KVUsage for these ``usage_counts`` and the host pool now. Pure."""
         per_block = self.bytes_per_block
         return KVUsage(
@@ -742,7 +745,7 @@ class DecodeRun:
         of the blocks in ``watch``. 0 when the prefix index holds blocks (its commits move
         references, so steps must interleave with them). Pure; O(steps + blocks taken)."""
         kv = self._kv
-        if getattr(kv.prefix_index, "holds_blocks", True) or max_steps <= 0:
+        if kv.prefix_index.holds_blocks or max_steps <= 0:
             return 0
         bs = kv.block_size
         # Each sequence takes at most one block per bs steps: an upper bound on the walk.
@@ -779,7 +782,7 @@ class DecodeRun:
         at_boundary = self._at_boundary
         needs = [at_boundary[-(start + t) % bs] for t in range(num_steps)]
         total = sum(needs)
-        if getattr(kv.prefix_index, "holds_blocks", True) or total > pool.num_free:
+        if kv.prefix_index.holds_blocks or total > pool.num_free:
             raise KVCapacityError(f"decode run: {total} blocks for {num_steps} steps, {pool.num_free} free")
         in_use, token_slots = kv._num_blocks_in_use, kv._num_token_slots
         # Per step: blocks in use and free uncached blocks after it, and cached ones reused.

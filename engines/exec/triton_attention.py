@@ -1,6 +1,6 @@
 """Triton kernels for paged decode attention (split-KV flash-decoding) and KV cache writes.
 
-Same layout and contracts as :mod:`kvbench.engines.attention` (read its module docstring):
+Same layout and contracts as :mod:`kvbench.engines.exec.attention` (read its module docstring):
 ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]``, int32 block tables padded with 0,
 ``context_lens`` including the token being decoded.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvbench.engines.attention import (
+from kvbench.engines.exec.attention import (
     DecodeWorkspace,
     check_kv_cache,
     check_query,
@@ -262,7 +262,9 @@ def interpreter_active() -> bool:
 def _require_triton(*tensors: torch.Tensor) -> None:
     """Raise unless triton is installed and can run on these tensors (CUDA, or the interpreter)."""
     if triton is None:
-        raise RuntimeError("triton is not installed: use kvbench.engines.attention (install the 'gpu' extra)")
+        raise RuntimeError(
+            "triton is not installed: use kvbench.engines.exec.attention (install the 'gpu' extra)"
+        )
     interpret = interpreter_active()
     for t in tensors:
         if not t.is_cuda and not interpret:
@@ -286,7 +288,7 @@ def default_num_splits(batch: int, kv_heads: int, max_context: int) -> int:
 def triton_write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Triton version of :func:`kvbench.engines.attention.write_kv` (same contract).
+    """Triton version of :func:`kvbench.engines.exec.attention.write_kv` (same contract).
 
     Mutates ``k_cache`` and ``v_cache``. Slots are not range-checked (that would cost a sync):
     an out-of-range slot writes out of bounds, as in vLLM's reshape_and_cache.
@@ -337,7 +339,7 @@ def triton_paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`kvbench.engines.attention.paged_decode_attention` (same contract).
+    """Triton version of :func:`kvbench.engines.exec.attention.paged_decode_attention` (same contract).
 
     Mutates only ``workspace`` buffers (split outputs and log-sum-exps). ``num_splits`` overrides
     :func:`default_num_splits`. Shapes and dtypes are validated; context_lens values are not (no

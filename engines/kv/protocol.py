@@ -1,0 +1,207 @@
+"""The KV-manager contract: what the scheduler and the engine use of a KV manager.
+
+Three managers implement it: ``PagedKVManager`` (``kv/paged.py``: block tables, prefix
+sharing, copy-on-write, swap), ``BoundedKVManager`` (``kv/bounded.py``: block counts that
+stop growing at an eviction budget) and ``SlabKVManager`` (``kv/slab.py``: one contiguous
+region per sequence). The scheduler (``engines/sched``) talks to a manager only through
+``KVManager``; the simulation fast path (``engines/sim``) additionally needs
+``DecodeRunKV``, which only the paged manager offers.
+
+Paired calls: a check call (``can_allocate``, ``can_append``, ``can_swap_out``,
+``can_swap_in``) is pure and returns False when memory is short; the act call then
+raises ``KVCapacityError``. Misuse (an unknown or duplicate sequence id, acting on a
+swapped sequence) raises ``KeyError`` or ``ValueError`` naming the sequence. Act calls
+return the tensor work they imply as ``KVOps``, which the executor applies, in order,
+before the step's forward pass; the managers never touch tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvbench.types import KVUsage, Request
+
+if TYPE_CHECKING:
+    from kvbench.engines.kv.paged import DecodeRun
+    from kvbench.engines.sched.sequence import SequenceGroup
+
+
+@dataclass(frozen=True)
+class KVOps:
+    """Tensor work the executor must do BEFORE this step's forward pass (block ids)."""
+
+    copies: tuple[tuple[int, int], ...] = ()  # (src_block, dst_block): copy-on-write of a shared block
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device_block, host_block)
+    swap_in: tuple[tuple[int, int], ...] = ()  # (host_block, device_block)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.copies or self.swap_out or self.swap_in)
+
+
+NO_OPS = KVOps()
+
+
+class KVCapacityError(RuntimeError):
+    """An act call (allocate, append, swap) whose check call (can_*) was False."""
+
+
+class KVManager(Protocol):
+    """The KV manager the scheduler drives (see the module docstring for the conventions).
+
+    Counters the engine reports per step (cumulative, never decreasing):
+    ``num_prefix_query_tokens`` and ``num_prefix_hit_tokens`` (prompt tokens looked up in
+    the prefix cache and found there; both stay 0 for a manager without one) and
+    ``num_evicted_blocks`` (prefix-cache blocks evicted to make room).
+    """
+
+    block_size: int
+    num_blocks: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+
+    @property
+    def num_evicted_blocks(self) -> int: ...
+
+    # ------------------------------------------------------------------ requests and queues
+    def reject_reason(self, request: Request) -> str | None:
+        """Why this manager can never hold ``request`` (e.g. its regions exceed the whole
+        arena), or None. Pure; the scheduler rejects the request with the reason."""
+        ...
+
+    def waiting_entered(self, group: SequenceGroup) -> None:
+        """The scheduler queued ``group`` as waiting (new, or back after a recompute
+        preemption). Only a waiting group's sequences are ever ``allocate``d. Mutates the
+        manager's view of the queue only."""
+        ...
+
+    def waiting_left(self, group: SequenceGroup) -> None:
+        """``group`` left the waiting queue (admitted or rejected). Mutates the manager's
+        view of the queue only."""
+        ...
+
+    # ------------------------------------------------------------------ queries (pure)
+    def has_seq(self, seq_id: int) -> bool:
+        """Whether the sequence holds KV (resident or swapped)."""
+        ...
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Token slots the sequence holds. KeyError for an unknown sequence."""
+        ...
+
+    def num_cached_tokens(self, token_ids: Sequence[int], extra_key: str | None) -> int:
+        """Leading tokens of ``token_ids`` that ``allocate`` would attach from the prefix
+        cache now (0 without one). Pure apart from the prefix index's match memo."""
+        ...
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical device block ids in logical order (a copy). ValueError if swapped out."""
+        ...
+
+    def usage(self) -> KVUsage:
+        """Device and host memory now. Pure."""
+        ...
+
+    def check(self) -> None:
+        """Raise AssertionError naming the first broken invariant (call between steps)."""
+        ...
+
+    # ------------------------------------------------------------------ check / act pairs
+    def can_allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
+    ) -> bool:
+        """Whether ``allocate`` would succeed now. Pure."""
+        ...
+
+    def allocate(
+        self, seq_id: int, token_ids: Sequence[int], num_new_tokens: int, extra_key: str | None
+    ) -> tuple[int, KVOps]:
+        """Start ``seq_id``: attach the cached prefix of ``token_ids`` and reserve
+        ``num_new_tokens`` more slots. Returns (cached tokens attached, ops). Mutates the
+        pool and the prefix cache; KVCapacityError when ``can_allocate`` is False."""
+        ...
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        """Whether ``append`` would succeed now. Pure."""
+        ...
+
+    def append(self, seq_id: int, num_new_tokens: int) -> KVOps:
+        """Reserve ``num_new_tokens`` more slots for ``seq_id`` (may copy a shared partial
+        block). Mutates the pool; KVCapacityError when ``can_append`` is False."""
+        ...
+
+    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Register ``token_ids`` (every token whose KV is now written) with the prefix
+        cache. Mutates the prefix cache only; ValueError for more tokens than slots."""
+        ...
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
+        """Create ``child_seq_id`` holding the parent's KV (shared blocks, or queued copies
+        handed out by the next act call). Mutates the pool."""
+        ...
+
+    def free(self, seq_id: int) -> None:
+        """Drop every reference of ``seq_id`` (device and host). Mutates the pool."""
+        ...
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        """Whether ``swap_out`` would succeed (False without a host tier). Pure."""
+        ...
+
+    def swap_out(self, seq_id: int) -> KVOps:
+        """Move the sequence's exclusive blocks to the host pool. KVCapacityError when
+        ``can_swap_out`` is False."""
+        ...
+
+    def can_swap_in(self, seq_id: int) -> bool:
+        """Whether ``swap_in`` would succeed now. Pure."""
+        ...
+
+    def swap_in(self, seq_id: int) -> KVOps:
+        """Bring a swapped sequence back to the device. KVCapacityError when
+        ``can_swap_in`` is False."""
+        ...
+
+
+class DecodeRunKV(KVManager, Protocol):
+    """What the simulation fast path (``engines/sim/fast_forward.py``) needs on top of
+    ``KVManager``: taking many plain decode steps without planning each one."""
+
+    commit_interval: int  # a commit registers something only at multiples of this length
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """Blocks ``append``/``allocate`` may still take (free + evictable). Pure."""
+        ...
+
+    def can_decode_together(self, seq_ids: Sequence[int]) -> bool:
+        """Whether ``decode_run(seq_ids)`` may start. Pure."""
+        ...
+
+    def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
+        """Start growing ``seq_ids`` by one slot per step. ValueError when
+        ``can_decode_together`` is False."""
+        ...
+
+    def match_watch(
+        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
+    ) -> Container[int] | None:
+        """Blocks whose reuse could change what ``num_cached_tokens(token_ids,
+        extra_key)`` finds while only ``seq_ids`` decode; None when anything might."""
+        ...
+
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(blocks in use, claimed token slots, free uncached blocks) now: the figures of
+        ``usage`` that change from step to step. Pure."""
+        ...
+
+    def usage_of(self, num_blocks_in_use: int, num_token_slots: int, num_blocks_free: int) -> KVUsage:
+        """``usage`` as it was when ``usage_counts`` returned these counts. Pure."""
+        ...
+
+    def usage_columns(self, counts: Sequence[tuple[int, int, int]]) -> dict[str, list[int]]:
+        """The ``KVUsage`` fields these ``usage_counts`` determine, one value per entry
+        (several steps at once), keyed ``kv.<field>``. Pure."""
+        ...

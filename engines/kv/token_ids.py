@@ -1,0 +1,297 @@
+"""Token ids of a sequence and the block keys they carry.
+
+A sequence's tokens live in a ``KeyedTokenIds`` (a ``list``) or an ``ArrayTokenIds`` (a
+trace prompt's numpy array plus the tokens appended since); both carry the
+``BlockKeyChain`` of their full blocks, computed once with ``kvbench.hashing``'s chained
+block keys (the one definition of a block key, shared with the metrics' prefix-reuse
+bound and ``kvbench trace inspect``). ``TokenSpan`` / ``TokenPrefix`` are read-only
+views of a token list.
+
+Invariant: sequences only grow (``append`` / ``extend``), so full blocks never change
+and a chain's keys are only ever appended.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvbench.hashing import chain_start, chained_block_keys, chained_block_keys_int
+
+# A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys,
+# shared with the prefix-reuse bound). Lane 0 keys the hash map; lane 1 is compared on a
+# hit. The block's token ids are not kept in the key (vLLM likewise trusts a hash).
+# Fewer new blocks than this are keyed in plain Python (the same values): below it, the
+# fixed cost of the numpy calls exceeds the arithmetic.
+_VECTOR_MIN_BLOCKS = 12
+
+
+class BlockKeyChain:
+    """The chained keys of a token sequence's full blocks, computed once.
+
+    vLLM keeps block hashes on the request so that matching and registering never rehash
+    a prompt; this is that cache. It is valid for one append-only token sequence, one
+    block size and one extra key (the cache salt): full blocks never change as the
+    sequence grows, so keys are only ever appended. Block ``i``'s key is ``hashes[i]``
+    (lane 0) and ``checks[i]`` (lane 1) of ``kvbench.hashing``'s chained block keys, which
+    depend on every token up to the block's end. ``extend`` keys many new blocks in a few
+    numpy calls (from the prompt's own array in an ``ArrayTokenIds``) and a few in
+    Python, with the same values: O(new blocks x block_size).
+
+    It also memoises the last match of the chain against one index (the ``match_*``
+    slots): a waiting sequence is matched every step it stays blocked, and re-walking a
+    1,000-block prefix in Python each time dominated long-prompt traces. The index
+    revalidates the memo itself (``BlockHashPrefixIndex.match``).
+    """
+
+    __slots__ = (
+        "block_size",
+        "extra_key",
+        "hashes",
+        "checks",
+        "_starts",
+        "match_owner",
+        "match_blocks",
+        "match_block_index",
+        "match_num_taken",
+        "match_ref_version",
+        "match_num_drops",
+    )
+
+    def __init__(self, block_size: int, extra_key: str | None) -> None:
+        self.block_size = block_size
+        self.extra_key = extra_key
+        self.hashes: list[int] = []  # lane 0 of each full block's key: the hash map's key
+        self.checks: list[int] = []  # lane 1: compared on a hit
+        self._starts = (chain_start(extra_key, 0), chain_start(extra_key, 1))
+        self.match_owner: object | None = None  # the index the memo belongs to
+        self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
+        # match_blocks' positions by block id (built lazily, trimmed on truncation), so a
+        # drop is placed in O(1): decode steps evict a waiting head's cached prefix one
+        # block at a time from its tail (tables are freed tail first).
+        self.match_block_index: dict[int, int] | None = None
+        self.match_num_taken = 0  # unreferenced blocks among match_blocks then
+        self.match_ref_version = -1  # the pool's ref_version then
+        self.match_num_drops = 0  # the index's cumulative dropped registrations then
+
+    def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
+        """Compute keys up to block ``num_blocks - 1`` (no-op when already there). Mutates the
+        chain; raises ValueError when ``token_ids`` has fewer full blocks."""
+        hashes, checks = self.hashes, self.checks
+        first = len(hashes)
+        if num_blocks <= first:
+            return
+        bs = self.block_size
+        if num_blocks * bs > len(token_ids):
+            raise ValueError(f"BlockKeyChain: {num_blocks} blocks asked of {len(token_ids)} tokens")
+        a, b = (hashes[-1], checks[-1]) if first else self._starts
+        if num_blocks - first >= _VECTOR_MIN_BLOCKS:
+            ids = _id_array(token_ids, first * bs, num_blocks * bs)
+            new_a, new_b = chained_block_keys(ids.reshape(-1, bs), first, (a, b))
+            hashes.extend(new_a)
+            checks.extend(new_b)
+            return
+        # One slice for all new blocks (a TokenPrefix view slices in one call), as Python
+        # ints: numpy integers overflow in the 64-bit products.
+        ids = token_ids[first * bs : num_blocks * bs]
+        if not isinstance(token_ids, (KeyCarrier, TokenSpan)):  # a caller's list, tuple or array
+            ids = [int(t) for t in ids]
+        new_a, new_b = chained_block_keys_int(ids, bs, first, (a, b))
+        hashes.extend(new_a)
+        checks.extend(new_b)
+
+    def copy(self) -> BlockKeyChain:
+        """An independent chain with the same keys (a fork shares every full block)."""
+        chain = BlockKeyChain(self.block_size, self.extra_key)
+        chain.hashes = list(self.hashes)
+        chain.checks = list(self.checks)
+        return chain
+
+
+def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
+    """Ids ``[start, stop)`` of ``token_ids`` as a numpy array: a slice of an
+    ``ArrayTokenIds``' prompt array (directly or through a view) when the range lies in
+    it, else a copy."""
+    tokens, offset = token_ids, 0
+    if isinstance(tokens, TokenSpan):
+        tokens, offset = tokens._tokens, tokens._start
+    if isinstance(tokens, ArrayTokenIds) and offset + stop <= len(tokens.array):
+        return tokens.array[offset + start : offset + stop]
+    return np.asarray(token_ids[start:stop])
+
+
+class KeyCarrier:
+    """Token ids that carry their ``BlockKeyChain`` (``KeyedTokenIds``, ``ArrayTokenIds``).
+
+    The scheduler's sequences hold their tokens in one, so ``BlockHashPrefixIndex.match``
+    (called for a waiting sequence every step it stays blocked) and ``commit`` reuse the
+    keys instead of rehashing the prompt. Contract: only ``append``/``extend`` mutate the
+    ids (which is how sequences grow); the chain covers full blocks only, so it stays
+    valid. ``copy`` (fork) copies the chain, since both copies share every full block.
+    """
+
+    __slots__ = ()
+    key_chain: BlockKeyChain | None
+
+    def chain(self, block_size: int, extra_key: str | None) -> BlockKeyChain:
+        """The chain for this block size and extra key (a new one if those changed). Mutates
+        ``key_chain``."""
+        chain = self.key_chain
+        if chain is None or chain.block_size != block_size or chain.extra_key != extra_key:
+            chain = self.key_chain = BlockKeyChain(block_size, extra_key)
+        return chain
+
+
+class KeyedTokenIds(KeyCarrier, list):  # type: ignore[type-arg]  # a list[int]
+    """A sequence's token ids as a plain ``list`` carrying its ``BlockKeyChain``."""
+
+    __slots__ = ("key_chain",)
+
+    def __init__(self, token_ids: Iterable[int] = ()) -> None:
+        # Python ints throughout: block keys multiply ids by 64-bit constants, which
+        # numpy integers (from an array, or a tuple of its items) would overflow. An array
+        # converts in one C call.
+        super().__init__(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
+        if not all(type(t) is int for t in self):
+            self[:] = [int(t) for t in self]
+        self.key_chain: BlockKeyChain | None = None
+
+    def copy(self) -> KeyedTokenIds:  # type: ignore[override]
+        other = KeyedTokenIds(self)
+        if self.key_chain is not None:
+            other.key_chain = self.key_chain.copy()
+        return other
+
+
+class ArrayTokenIds(KeyCarrier, Sequence[int]):
+    """A sequence's token ids as its prompt's numpy array (shared, never written) plus a
+    list of the ids appended since; carries its ``BlockKeyChain``.
+
+    Trace prompts arrive as numpy arrays and stay so: in simulation only the prompt's
+    block keys (computed from the array in a few numpy calls) and its length are ever
+    read, and Python int lists of long prompts take far more memory. Reads behave like the equivalent list: ``len``,
+    iteration, indexing (Python ints), slicing (a new list), ``==`` with lists and views
+    of equal ids, ``copy`` (also ``copy.copy``/``deepcopy``); list arithmetic (``+``,
+    ``*``) and ordering are not offered. ``append``/``extend`` are the tail list's own
+    (C) methods.
+    """
+
+    __slots__ = ("array", "tail", "_num_array", "append", "extend", "key_chain")
+
+    def __init__(self, array: np.ndarray, tail: Iterable[int] = ()) -> None:
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError(f"ArrayTokenIds: a 1-D integer array is needed, got {array.dtype} {array.shape}")
+        self.array = array
+        self._num_array = len(array)
+        self.tail: list[int] = list(tail)
+        self.append = self.tail.append
+        self.extend = self.tail.extend
+        self.key_chain: BlockKeyChain | None = None
+
+    def __len__(self) -> int:
+        return self._num_array + len(self.tail)
+
+    def __getitem__(self, index):  # type: ignore[override]  # int -> int, slice -> list
+        num_array = self._num_array
+        if isinstance(index, slice):
+            start, stop, step = index.indices(num_array + len(self.tail))
+            if step != 1:
+                return list(self)[index]
+            if stop <= start:
+                return []
+            if stop <= num_array:
+                return self.array[start:stop].tolist()
+            if start >= num_array:
+                return self.tail[start - num_array : stop - num_array]
+            return self.array[start:].tolist() + self.tail[: stop - num_array]
+        size = num_array + len(self.tail)
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError(f"ArrayTokenIds index {index} out of range({size})")
+        return int(self.array[index]) if index < num_array else self.tail[index - num_array]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.array.tolist(), self.tail)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, TokenSpan, ArrayTokenIds)):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def copy(self) -> ArrayTokenIds:
+        other = ArrayTokenIds(self.array, self.tail)
+        if self.key_chain is not None:
+            other.key_chain = self.key_chain.copy()
+        return other
+
+    # copy.copy / copy.deepcopy: a new tail (its own append/extend), as for a list; the
+    # read-only prompt array is shared.
+    def __copy__(self) -> ArrayTokenIds:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ArrayTokenIds:
+        return self.copy()
+
+    def __repr__(self) -> str:
+        return f"ArrayTokenIds(len={len(self)}, prompt={self._num_array})"
+
+
+class TokenSpan(Sequence[int]):
+    """Ids ``[start, stop)`` of a token list, without copying them (read-only view).
+
+    The list must not change there (sequences only append). Indexing and slicing stay
+    within the span; a slice is a new list.
+    """
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: Sequence[int], start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= len(tokens):
+            raise ValueError(f"{type(self).__name__}: ids [{start}, {stop}) asked of {len(tokens)}")
+        self._tokens = tokens
+        self._start = start
+        self._stop = stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):  # type: ignore[override]  # int -> int, slice -> list
+        size = self._stop - self._start
+        if isinstance(index, slice):
+            start, stop, step = index.indices(size)
+            if step == 1:
+                return self._tokens[self._start + start : self._start + max(start, stop)]
+            return [self._tokens[self._start + i] for i in range(start, stop, step)]
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError(f"{type(self).__name__} index {index} out of range({size})")
+        return self._tokens[self._start + index]
+
+    def __eq__(self, other: object) -> bool:
+        # Compares like the list slice it stands for (chunks hold one or the other).
+        if isinstance(other, (list, TokenSpan, ArrayTokenIds)):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+
+class TokenPrefix(TokenSpan):
+    """The first ``num_tokens`` ids of a token list (a ``TokenSpan`` from 0).
+
+    The scheduler commits a prefilling sequence's computed prefix every step; slicing
+    a 100K-token prompt for that copied O(prompt) per step, O(prompt^2 / chunk) per
+    request.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, tokens: Sequence[int], num_tokens: int) -> None:
+        super().__init__(tokens, 0, num_tokens)

@@ -1,0 +1,275 @@
+"""The simulation fast path: one engine ``step`` covering a run of plain decode steps.
+
+This is the boundary between the engine and the fast path. ``PagedEngine`` builds a
+``FastForward`` in simulation mode (cost-model executor, plain ``PagedKVManager``) and
+calls ``run`` when the runner has told it when the next request arrives. Everything the
+run does goes through declared calls:
+
+- the scheduler's decode-run interface (``Scheduler.decode_batch``, ``append_decodes``,
+  ``quiet_decode_steps``, ``complete_decodes`` / ``complete_decodes_many`` /
+  ``commit_decodes``, ``finish_decodes``),
+- the KV manager's ``DecodeRunKV`` contract (``engines/kv/protocol.py``) and its
+  ``DecodeRun`` (``engines/kv/paged.py``),
+- the cost model's ``decode_run_s`` and ``CostModelExecutor.record_steps``,
+- the engine's ``step_stats`` (passed in as ``stats``).
+
+Invariant: a run leaves the scheduler, KV manager, prefix index, executor totals and
+recorded steps exactly as stepping one iteration per call would (``fast_forward=False``);
+``tests/test_sim_fast_forward.py`` compares both at this boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+import numpy as np
+
+from kvbench.engines.kv.protocol import DecodeRunKV
+from kvbench.engines.sched.scheduler import Scheduler
+from kvbench.engines.sim.executor import CostModelExecutor
+from kvbench.engines.sim.stand_in import StandInTokens, stand_in_tokens
+from kvbench.sim.cost_model import StepShape
+from kvbench.types import CoveredSteps, StepOutput, StepStats
+
+# Most steps one decode run covers (one StepOutput): runs end at the first finish,
+# arrival, admission or preemption anyway; the cap bounds one output's size.
+MAX_DECODE_RUN_STEPS = 1024
+# Steps modeled in a run's first window (then 2x, 4x, ...): runs often end within a few,
+# so modeling all MAX_DECODE_RUN_STEPS up front would mostly be wasted.
+FIRST_DECODE_WINDOW = 8
+
+# The engine's StepStats builder: (counters before, counters after, keyword figures).
+StatsFn = Callable[..., StepStats]
+
+
+class RunLog:
+    """A decode run's covered steps as they go: durations, KV counts, evictions, tokens."""
+
+    __slots__ = (
+        "request_ids",
+        "samples",
+        "context",
+        "queues",
+        "durations_s",
+        "counts",
+        "evicted",
+        "token_rows",
+    )
+
+    def __init__(
+        self, request_ids: list[str], samples: list[int], context: int, queues: tuple[int, int]
+    ) -> None:
+        self.request_ids = request_ids  # per sequence of the run, in batch order
+        self.samples = samples
+        self.context = context  # KV tokens the batch reads in the run's first step
+        # Waiting and swapped groups, unchanged by the run's steps (a step that admits a
+        # group is left to the next normal step, which pops it from the queue).
+        self.queues = queues
+        self.durations_s: list[float] = []
+        self.counts: list[tuple[int, int, int]] = []  # the KV manager's usage_counts after each step
+        self.evicted: list[int] = []  # cached blocks each step reused
+        self.token_rows: list[list[int]] = [[] for _ in request_ids]  # [seq][step]
+
+    def add(
+        self, step_tokens: list[int], duration_s: float, counts: tuple[int, int, int], evicted: int
+    ) -> None:
+        """Record one step: a token per sequence, its time, KV counts and evictions."""
+        self.durations_s.append(duration_s)
+        self.counts.append(counts)
+        self.evicted.append(evicted)
+        for row, token in zip(self.token_rows, step_tokens):
+            row.append(token)
+
+    def add_many(
+        self, token_rows: list[list[int]], durations_s: list[float], reserved: list[tuple[int, int, int, int]]
+    ) -> None:
+        """Record steps taken together: ``token_rows[seq][step]`` and ``DecodeRun.advance_many``'s
+        per-step counts."""
+        self.durations_s.extend(durations_s)
+        for in_use, token_slots, free, evicted in reserved:
+            self.counts.append((in_use, token_slots, free))
+            self.evicted.append(evicted)
+        for row, new in zip(self.token_rows, token_rows):
+            row.extend(new)
+
+    def finish(self, kv: DecodeRunKV, stats: StatsFn) -> CoveredSteps | None:
+        """The run's steps as ``StepOutput.covered_steps`` (None when none was taken; the
+        template is the last step's stats). Pure."""
+        num_steps = len(self.durations_s)
+        if not num_steps:
+            return None
+        num_seqs = len(self.request_ids)
+        last = num_steps - 1
+        # Each step decodes one more token per sequence than the last.
+        contexts = range(self.context, self.context + num_steps * num_seqs, num_seqs)
+        template = stats(
+            (0, 0, 0),  # prefix queries and hits: none in a run; evictions: the last step's
+            (0, 0, self.evicted[last]),
+            num_prefill_tokens=0,
+            num_decode_tokens=num_seqs,
+            shape=StepShape(num_decode_seqs=num_seqs, num_decode_context_tokens=contexts[last]),
+            usage=kv.usage_of(*self.counts[last]),
+            num_running=num_seqs,
+            queues=self.queues,
+        )
+        columns: dict[str, SequenceOf[Any]] = dict(kv.usage_columns(self.counts))
+        columns["num_evicted_blocks"] = self.evicted
+        columns["num_decode_context_tokens"] = contexts
+        return CoveredSteps(
+            durations_s=tuple(self.durations_s),
+            template=template,
+            columns=columns,
+            request_ids=tuple(self.request_ids),
+            sample_indexes=tuple(self.samples),
+            token_ids=tuple(map(tuple, self.token_rows)),
+        )
+
+
+class FastForward:
+    """Decode runs of one engine (module docstring). Holds no state between runs except
+    ``prepared_counters``: the KV counters before a step a run began but could not take
+    as a plain decode step (the scheduler keeps that step's plan for the next normal
+    ``step``, whose stats count from there)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        kv: DecodeRunKV,
+        executor: CostModelExecutor,
+        tokens: StandInTokens,
+        eos_token_id: int,
+        stats: StatsFn,
+    ) -> None:
+        self.scheduler = scheduler
+        self.kv = kv
+        self.executor = executor
+        self.tokens = tokens
+        self.eos_token_id = eos_token_id
+        self.stats = stats
+        self.prepared_counters: tuple[int, int, int] | None = None
+
+    def run(self, now_s: float, next_arrival_s: float) -> StepOutput | None:
+        """Take consecutive plain decode steps in one call.
+
+        A run continues while the batch stays the same: every running sequence decodes
+        one token, none finishes, no block is copied or swapped, the pool has the blocks
+        the step needs (no preemption), the head of the waiting queue still cannot start,
+        and the step starts before ``next_arrival_s``. Each step updates the scheduler, KV
+        manager and prefix index exactly as a single ``step`` would, without planning
+        chunks or modeling each step separately: step times come from cost-model calls
+        over windows of steps, stand-in tokens and the first EOS from vectorised draws,
+        and the KV side from a ``DecodeRun``. Steps in which the waiting head provably
+        cannot start (``Scheduler.quiet_decode_steps``) are reserved and completed
+        together; the others one at a time, checking the head. Returns None when not even
+        the first step qualifies (the caller steps normally); a step that turns out to
+        admit a waiting group is left planned in the scheduler for that normal step.
+        Mutates the scheduler, the KV manager, the executor's totals and the token keys.
+        """
+        scheduler = self.scheduler
+        pairs = scheduler.decode_batch()
+        if pairs is None:
+            return None
+        tokens_of = self.tokens
+        # Steps before the first finish: the step producing a sequence's last token ends it.
+        max_steps = MAX_DECODE_RUN_STEPS
+        seq_bases, samples, positions, check_eos = [], [], [], []
+        for group, seq in pairs:
+            request = group.request
+            max_steps = min(max_steps, request.max_new_tokens - seq.num_output_tokens - 1)
+            seq_bases.append(tokens_of.base(request.request_id))
+            samples.append(seq.sample_index)
+            positions.append(seq.num_output_tokens)
+            check_eos.append(not request.ignore_eos)
+        if max_steps <= 0:
+            return None
+        executor = self.executor
+        context = sum(len(seq.token_ids) for _, seq in pairs)
+        num_seqs = len(pairs)
+        vocab, eos = tokens_of.vocab_size, self.eos_token_id
+        eos_rows = np.asarray(check_eos) if any(check_eos) else None
+        kv = self.kv
+        run = kv.decode_run([seq.seq_id for _, seq in pairs])
+        log = RunLog(
+            [group.request_id for group, _ in pairs],
+            samples,
+            context,
+            (len(scheduler.waiting), len(scheduler.swapped)),
+        )
+        start_s = now_s  # summed one step at a time, as the clock does
+        offset = 0
+        quiet = 0  # steps ahead known not to admit anything (reserved together)
+        window = FIRST_DECODE_WINDOW
+        ended = False
+        while not ended and offset < max_steps:
+            # Step times and tokens for a window of steps at a time, doubling.
+            size = min(window, max_steps - offset)
+            window *= 2
+            durations = executor.cost_model.decode_run_s(num_seqs, context + offset * num_seqs, size).tolist()
+            tokens = stand_in_tokens(seq_bases, samples, [p + offset for p in positions], size, vocab)
+            limit = size
+            if eos_rows is not None:
+                # The step in which some sequence samples EOS finishes it: a normal step.
+                eos_hits = (tokens[eos_rows] == eos).any(axis=0)
+                if eos_hits.any():
+                    limit = int(eos_hits.argmax())
+                    ended = True
+            index = 0
+            while index < limit:
+                if start_s >= next_arrival_s:
+                    ended = True  # the arrival is submitted before this step
+                    break
+                if quiet:
+                    # Steps the head surely cannot join (see Scheduler.quiet_decode_steps):
+                    # reserve them together, up to the arrival.
+                    num = 1
+                    end_s = start_s + durations[index]
+                    cap = min(quiet, limit - index)
+                    while num < cap and end_s < next_arrival_s:
+                        end_s += durations[index + num]
+                        num += 1
+                    token_rows = tokens[:, index : index + num].tolist()  # [seq][step]
+                    step_commits = scheduler.complete_decodes_many(pairs, token_rows)
+                    reserved = run.advance_many(
+                        num,
+                        after_step=lambda step, commits=step_commits: scheduler.commit_decodes(commits[step]),
+                    )
+                    log.add_many(token_rows, durations[index : index + num], reserved)
+                    quiet -= num
+                    index += num
+                    offset += num
+                    start_s = end_s
+                    continue
+                if run.num_new_blocks() > kv.num_allocatable_blocks:
+                    ended = True  # a preemption: a normal step
+                    break
+                counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+                if not scheduler.append_decodes(pairs, run):
+                    # A waiting group starts in this step: the scheduler keeps its plan for
+                    # the next normal step, whose stats count from here.
+                    self.prepared_counters = counters0
+                    ended = True
+                    break
+                quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
+                step_tokens, duration_s = tokens[:, index].tolist(), durations[index]  # one per sequence
+                scheduler.complete_decodes(pairs, step_tokens)
+                log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - counters0[2])
+                index += 1
+                offset += 1
+                start_s += duration_s
+        scheduler.finish_decodes(pairs)
+        covered = log.finish(kv, self.stats)
+        if covered is None:
+            return None
+        executor.record_steps(covered.durations_s)
+        return StepOutput(
+            tokens=(),
+            first_scheduled=(),
+            finished=(),
+            rejected=(),
+            stats=covered.template,
+            modeled_duration_s=math.fsum(covered.durations_s),
+            covered_steps=covered,
+        )

@@ -1,0 +1,114 @@
+"""Stand-in tokens: what a sequence "samples" when the executor returns no logits (simulation).
+
+Tokens are drawn from ``[3, vocab_size)`` by (seed, request, sample, position), so outputs
+of different requests do not collide in the prefix cache and a run does not depend on
+batching, chunking or preemption. Beams continue one stand-in token each (no ranking
+without logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import numpy as np
+
+from kvbench.engines.exec.sampler import stable_seed
+from kvbench.engines.sched.scheduler import Scheduler
+from kvbench.engines.sched.sequence import Sequence, SequenceGroup
+from kvbench.hashing import GOLDEN64, MASK64, mix64
+from kvbench.types import TokenEvent
+
+_SAMPLE64 = 0xD1B54A32D192ED03
+
+
+def stand_in_token(base: int, sample_index: int, position: int, vocab_size: int) -> int:
+    """Simulation's stand-in for a sampled token: a SplitMix64 mix of the request's
+    ``base`` key, the sample and the output position, drawn from ``[3, vocab_size)``.
+    Integer arithmetic only: it runs once per simulated token. Pure."""
+    x = (base + (sample_index + 1) * _SAMPLE64 + (position + 1) * GOLDEN64) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    x ^= x >> 31
+    return 3 + x % (vocab_size - 3)
+
+
+def stand_in_tokens(
+    bases: SequenceOf[int],
+    sample_indexes: SequenceOf[int],
+    first_positions: SequenceOf[int],
+    num_steps: int,
+    vocab_size: int,
+) -> np.ndarray:
+    """``stand_in_token`` for many sequences and consecutive positions at once: entry
+    ``[i, k]`` equals ``stand_in_token(bases[i], sample_indexes[i], first_positions[i] + k,
+    vocab_size)`` (uint64 arithmetic wraps mod 2**64 like the masked Python version).
+    Returns int64 [len(bases), num_steps]. Pure."""
+    u64 = np.uint64
+    x = (
+        np.asarray(bases, dtype=u64)[:, None]
+        + (np.asarray(sample_indexes, dtype=u64)[:, None] + u64(1)) * u64(_SAMPLE64)
+        + (np.asarray(first_positions, dtype=u64)[:, None] + np.arange(1, num_steps + 1, dtype=u64))
+        * u64(GOLDEN64)
+    )
+    return (u64(3) + mix64(x) % u64(vocab_size - 3)).astype(np.int64)
+
+
+class StandInTokens:
+    """Per-request stand-in keys of one engine (``stable_seed(seed, request_id)``, kept
+    while the request runs) and the token updates of a logit-less step."""
+
+    __slots__ = ("seed", "vocab_size", "_bases")
+
+    def __init__(self, seed: int, vocab_size: int) -> None:
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self._bases: dict[str, int] = {}  # request id -> stand-in key
+
+    def base(self, request_id: str) -> int:
+        """The request's key (computed on first use). Mutates the key memo."""
+        base = self._bases.get(request_id)
+        if base is None:
+            base = self._bases[request_id] = stable_seed(self.seed, request_id)
+        return base
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's key (no-op when it has none)."""
+        self._bases.pop(request_id, None)
+
+    def advance(
+        self, scheduler: Scheduler, targets: list[tuple[SequenceGroup, Sequence]]
+    ) -> list[TokenEvent]:
+        """Give every sampling target its stand-in token and apply it through the
+        scheduler (forks, beams, finishes), as the engine does with sampled tokens.
+        Mutates the scheduler's sequences."""
+        vocab = self.vocab_size
+        bases = self._bases
+
+        def stand_in(group: SequenceGroup, sample_index: int, position: int) -> int:
+            base = bases.get(group.request_id)
+            if base is None:
+                base = self.base(group.request_id)
+            return stand_in_token(base, sample_index, position, vocab)
+
+        events: list[TokenEvent] = []
+        done_beams: set[int] = set()
+        for group, seq in targets:
+            if group.is_beam:
+                if id(group) in done_beams:
+                    continue
+                done_beams.add(id(group))
+                beams = list(group.seqs) if group.has_forked else [seq] * group.num_samples
+                chosen = [
+                    (beam, stand_in(group, i, beam.num_output_tokens), 0.0) for i, beam in enumerate(beams)
+                ]
+                scheduler.advance_beams(group, chosen, [])
+                events.extend(TokenEvent(group.request_id, i, t) for i, (_, t, _) in enumerate(chosen))
+            elif not group.has_forked and group.num_samples > 1:
+                firsts = [stand_in(group, i, 0) for i in range(group.num_samples)]
+                scheduler.fork_samples(group, firsts)
+                events.extend(TokenEvent(group.request_id, i, t) for i, t in enumerate(firsts))
+            else:
+                token = stand_in(group, seq.sample_index, seq.num_output_tokens)
+                events.append(TokenEvent(group.request_id, seq.sample_index, token))
+                scheduler.append_token(group, seq, token)
+        return events
