@@ -769,18 +769,8 @@ def print_table(result: CompareResult, console: Console, show_all: bool = False)
     styles = {"better": "green", "worse": "red", "cannot judge": "yellow", "inconclusive": "yellow"}
     for row in _shown(result, show_all).itertuples():
         style = "bold red" if row.regressed else styles.get(row.gate_verdict or row.verdict, "")
-        table.add_row(
-            Text(row.run),
-            Text(row.metric),
-            f"{row.baseline:.4g}",
-            f"{row.candidate:.4g}",
-            _pct(row.baseline, row.candidate),
-            _ci_cell(row),
-            f"{row.num_baseline}/{row.num_candidate}",
-            _verdict_text(row.verdict, row.gate_verdict),
-            Text(row.gate),
-            style=style,
-        )
+        # Text(): labels, metric names and gates are data, never rich markup.
+        table.add_row(*(Text(cell) for cell in _row_cells(row, row.metric)), style=style)
     console.print(table)
     console.print(speed_text(result), markup=False, highlight=False)
     for name, items in (
@@ -900,20 +890,26 @@ def markdown_summary(result: CompareResult, baseline: str, candidate: str, show_
             "|---|---|---:|---:|---:|---:|---:|---|---|",
         ]
         for row in rows.itertuples():
-            cells = (
-                row.run,
-                f"`{row.metric}`",
-                f"{row.baseline:.4g}",
-                f"{row.candidate:.4g}",
-                _pct(row.baseline, row.candidate),
-                _ci_cell(row),
-                f"{row.num_baseline}/{row.num_candidate}",
-                _verdict_text(row.verdict, row.gate_verdict),
-                row.gate,
-            )
+            cells = _row_cells(row, f"`{row.metric}`")
             lines.append("| " + " | ".join(markdown_cell(cell) for cell in cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _row_cells(row: Any, metric: str) -> tuple[str, ...]:
+    """One compare table row as text, in the column order of the terminal and Markdown
+    tables (``metric`` as each shows it)."""
+    return (
+        row.run,
+        metric,
+        f"{row.baseline:.4g}",
+        f"{row.candidate:.4g}",
+        _pct(row.baseline, row.candidate),
+        _ci_cell(row),
+        f"{row.num_baseline}/{row.num_candidate}",
+        _verdict_text(row.verdict, row.gate_verdict),
+        row.gate,
+    )
 
 
 def append_markdown(path: str | os.PathLike[str], text: str) -> Path:

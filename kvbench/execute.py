@@ -351,13 +351,7 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
             if col != "t_s"
         }
     meta.update(
-        workload=workload.name,
-        workload_source=workload.source,
-        workload_counters=dict(workload.counters),
-        duration_s=raw.duration_s,
-        num_steps=raw.num_steps,
-        weight_dtype=compute_dtype,
-        weight_bytes=weight_bytes(spec, compute_dtype),
+        **_replay_meta(workload, raw, spec, compute_dtype),
         missing=missing,
         block_size=None,
         kv_pool_bytes=None,
@@ -377,6 +371,20 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
     if cfg.quality.enabled:
         metrics.update(measure_quality(cfg, model, engine, tokenizer))
     return Measured(metrics, raw, memory)
+
+
+def _replay_meta(workload: Workload, raw: RawRun, spec: ModelSpec, compute_dtype: str) -> dict[str, Any]:
+    """The run.json facts every replay records, live or not: the workload as replayed,
+    the replay's duration and step count, and the weights' dtype and bytes. Pure."""
+    return {
+        "workload": workload.name,
+        "workload_source": workload.source,
+        "workload_counters": dict(workload.counters),
+        "duration_s": raw.duration_s,
+        "num_steps": raw.num_steps,
+        "weight_dtype": compute_dtype,
+        "weight_bytes": weight_bytes(spec, compute_dtype),
+    }
 
 
 def _measure_live(
@@ -419,13 +427,7 @@ def _measure_live(
     timeline = scraper.frame()
     facts = scraper.server_facts()
     meta.update(
-        workload=workload.name,
-        workload_source=workload.source,
-        workload_counters=dict(workload.counters),
-        duration_s=raw.duration_s,
-        num_steps=raw.num_steps,
-        weight_dtype=compute_dtype,
-        weight_bytes=weight_bytes(spec, compute_dtype),
+        **_replay_meta(workload, raw, spec, compute_dtype),
         missing={**sampler.missing(), **scraper.missing()},
         kv_pool_bytes=facts.get("kv_cache_memory_bytes"),
         block_size=facts.get("block_size"),

@@ -50,7 +50,7 @@ from omegaconf import OmegaConf
 
 from kvbench.config import validate_export_config
 from kvbench.model import DenseKVCache, LlamaModel, torch_dtype
-from kvbench.results import ResultsWriteError, ensure_writable_dir
+from kvbench.results import ResultsWriteError, ensure_writable_dir, foreign_dir_problem
 from kvbench.smollm2 import MODEL_NAME as SMOLLM2
 from kvbench.smollm2 import cache_dir
 from kvbench.specs import ModelSpec
@@ -318,22 +318,14 @@ def check_replaceable_export(out_dir: str | os.PathLike[str]) -> None:
     if not os.path.lexists(out):
         return
     refusal = f"{out}: exists and is not a model directory kvbench exported, so it is left untouched"
-    if out.is_symlink() or not out.is_dir():
-        kind = "a symbolic link" if out.is_symlink() else "not a directory"
-        raise ExportError(f"{refusal} (it is {kind}); choose another out= or move it away")
     try:
-        entries = list(out.iterdir())
+        problem = foreign_dir_problem(out, EXPORT_FILES)
+        empty = not problem and not any(out.iterdir())
     except OSError as exc:
         raise ExportError(f"{out}: cannot read: {exc.strerror or exc}") from None
-    if not entries:
-        return
-    foreign = sorted(
-        p.name for p in entries if p.name not in EXPORT_FILES or p.is_symlink() or not p.is_file()
-    )
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ExportError(f"{refusal} (it holds {shown}); choose another out= or move it away")
-    if read_manifest(out) is None:
+    if problem:
+        raise ExportError(f"{refusal} ({problem}); choose another out= or move it away")
+    if not empty and read_manifest(out) is None:
         raise ExportError(f"{refusal} (no {EXPORT_MARKER} marker); choose another out= or move it away")
 
 

@@ -703,6 +703,16 @@ def _col(steps: pd.DataFrame, name: str) -> np.ndarray:
     return steps[name].to_numpy(dtype=float)
 
 
+# Step columns whose run total is the metric of the same name.
+_SUMMED_STEP_METRICS: tuple[str, ...] = (
+    "num_preemptions",
+    "num_recomputed_tokens",
+    "num_evicted_blocks",
+    "num_evicted_tokens",
+    "bytes_to_host",
+    "bytes_from_host",
+    "modeled_transfer_s",
+)
 _LIVE_REASON = (
     "live server: the client cannot see the server's engine steps (see the server_* metrics "
     "scraped from its /metrics)"
@@ -726,13 +736,7 @@ _ENGINE_INTERNAL_METRICS: tuple[str, ...] = (
     "kv_external_frag_bytes_at_peak",
     "kv_peak_host_bytes",
     "prefix_hit_rate",
-    "num_preemptions",
-    "num_recomputed_tokens",
-    "num_evicted_blocks",
-    "num_evicted_tokens",
-    "bytes_to_host",
-    "bytes_from_host",
-    "modeled_transfer_s",
+    *_SUMMED_STEP_METRICS,
     "measured_transfer_s",
     "fetch_recall_mean",
 )
@@ -789,15 +793,7 @@ def _step_metrics(steps: pd.DataFrame, out: dict[str, float], missing: dict[str,
         out["prefix_hit_rate"] = float(_col(steps, "num_prefix_hit_tokens").sum() / queries)
     else:
         missing["prefix_hit_rate"] = "no prefix lookups (prefix caching off or no prompts scheduled)"
-    for name in (
-        "num_preemptions",
-        "num_recomputed_tokens",
-        "num_evicted_blocks",
-        "num_evicted_tokens",
-        "bytes_to_host",
-        "bytes_from_host",
-        "modeled_transfer_s",
-    ):
+    for name in _SUMMED_STEP_METRICS:
         out[name] = float(_col(steps, name).sum())
     for name, source, why in (
         ("measured_transfer_s", "measured_transfer_s", "no host copy was timed (CUDA only, offload engines)"),

@@ -50,7 +50,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,27 +412,34 @@ def check_replaceable_run_dir(run_dir: str | os.PathLike[str], run_id: str | Non
     if not os.path.lexists(run_dir):
         return
     refusal = f"{run_dir}: exists and is not a kvbench run directory, so it is left untouched"
-    if run_dir.is_symlink() or not run_dir.is_dir():
-        kind = "a symbolic link" if run_dir.is_symlink() else "not a directory"
-        raise ResultsWriteError(f"{refusal} (it is {kind}); choose another run id or move it away")
     try:
-        entries = list(run_dir.iterdir())
+        problem = foreign_dir_problem(run_dir, RUN_DIR_FILES)
     except OSError as exc:
         raise ResultsWriteError(f"{run_dir}: cannot read: {_os_reason(exc, run_dir)}") from exc
-    foreign = sorted(
-        p.name for p in entries if p.name not in RUN_DIR_FILES or p.is_symlink() or not p.is_file()
-    )
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ResultsWriteError(
-            f"{refusal} (it holds {shown}, which kvbench did not write); choose another run id or move it away"
-        )
+    if problem:
+        raise ResultsWriteError(f"{refusal} ({problem}); choose another run id or move it away")
     if (run_dir / RUN_MARKER).is_file() or _is_unmarked_run(run_dir, run_id or run_dir.name):
         return
     raise ResultsWriteError(
         f"{refusal} (no {RUN_MARKER} marker and no kvbench run.json of run {run_id or run_dir.name!r}); "
         "choose another run id or move it away"
     )
+
+
+def foreign_dir_problem(path: Path, own_files: Collection[str]) -> str:
+    """Why the existing ``path`` is not a directory of only kvbench's own plain files
+    (``own_files`` by name; empty is fine), as a phrase for an error message ("it is a
+    symbolic link", "it holds notes.txt, ..."); "" when it is. Reads only; raises OSError
+    when the directory cannot be listed."""
+    if path.is_symlink() or not path.is_dir():
+        return f"it is {'a symbolic link' if path.is_symlink() else 'not a directory'}"
+    foreign = sorted(
+        p.name for p in path.iterdir() if p.name not in own_files or p.is_symlink() or not p.is_file()
+    )
+    if not foreign:
+        return ""
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return f"it holds {shown}, which kvbench did not write"
 
 
 def _is_unmarked_run(run_dir: Path, run_id: str) -> bool:
