@@ -7,6 +7,7 @@ flags. Nothing here changes the working directory.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from importlib import resources
@@ -32,8 +33,15 @@ CONFIG_PATH = "pkg://kvbench.conf"
 
 
 def _presets(group: str) -> list[str]:
-    folder = resources.files("kvbench.conf").joinpath(group)
-    return sorted(p.name.removesuffix(".yaml") for p in folder.iterdir() if p.name.endswith(".yaml"))
+    """The shipped presets of ``group``, and for hardware also the user's calibrated ones."""
+    from kvbench.config import kvbench_home
+
+    folders = [resources.files("kvbench.conf").joinpath(group)]
+    if group == "hardware" and (kvbench_home() / group).is_dir():
+        folders.append(kvbench_home() / group)
+    return sorted(
+        {p.name.removesuffix(".yaml") for f in folders for p in f.iterdir() if p.name.endswith(".yaml")}
+    )
 
 
 def _hydra_help(command: str) -> str:
@@ -43,17 +51,21 @@ def _hydra_help(command: str) -> str:
     experiments = ", ".join(_presets("experiment"))
     multirun = (
         "Runs a Hydra multirun: comma lists sweep (model=tiny-mha,tiny-gqa) and\n"
-        "+experiment=NAME loads a prepared sweep from conf/experiment/.\n"
+        "+experiment=NAME loads a prepared sweep from conf/experiment/. An ad-hoc sweep is\n"
+        "named after its overrides (engine=paged,dense-workload=chat), or --name NAME;\n"
+        "rerunning it skips the runs already complete. run.repeats=N runs every configuration\n"
+        "N times, interleaved (repeat 0 of every configuration, then repeat 1, ...).\n"
         if command == "sweep"
-        else "Runs one configuration.\n"
+        else "Runs one configuration (engine=paged unless chosen); --name NAME sets run.sweep_name.\n"
     )
     return f"""\
-usage: kvbench {command} [KEY=VALUE ...]
+usage: kvbench {command} [--name NAME] [KEY=VALUE ...]
 
 {multirun}Results go to results/<run.sweep_name>/<run-id>/ (parquet + config + environment).
 
 config groups (choose with GROUP=NAME):
 {groups}
+  (hardware also finds profiles `kvbench calibrate` wrote to $KVBENCH_HOME/hardware/)
 experiments (+experiment=NAME): {experiments}
 
 common keys: seed=0 run.mode=real|sim run.device=cpu|cuda run.dtype=fp32|bf16
@@ -63,14 +75,92 @@ Hydra's own flags also work: --cfg job (print the composed config), hydra/launch
 """
 
 
-def _run_hydra(task: Callable, config_name: str, overrides: list[str], multirun: bool) -> None:
-    import hydra
-
-    from kvbench.config import register_schemas
+def _run_hydra(task: Callable, config_name: str, overrides: list[str], multirun: bool, command: str) -> int:
+    """Check ``overrides`` (kvbench.overrides) and run ``task`` under Hydra. A configuration
+    Hydra refuses is one screen on stderr and exit status 2, as kvbench's own ConfigError."""
+    from kvbench import overrides as checks
+    from kvbench.config import ConfigError, register_schemas
 
     register_schemas()
+    if not any(o.startswith("hydra.searchpath") for o in overrides):
+        overrides = [*checks.user_searchpath(), *overrides]
+    passes = [overrides]
+    try:
+        # Hydra's own flags (--cfg job, --info, ...) skip the check and run.repeats' passes;
+        # Hydra still judges them.
+        if not any(o.startswith("-") for o in overrides):
+            cfg = checks.check_overrides(config_name, overrides, multirun)
+            if config_name == "config":
+                passes = checks.repeat_passes(overrides, cfg.run.repeats)
+    except ConfigError as exc:
+        return _invalid(command, str(exc))
+    for pass_overrides in passes:
+        status = _hydra_main(task, config_name, pass_overrides, multirun, command)
+        if status:
+            return status
+    return 0
+
+
+def _hydra_main(task: Callable, config_name: str, overrides: list[str], multirun: bool, command: str) -> int:
+    """``task`` under ``hydra.main``; Hydra's configuration errors as ``_invalid``."""
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from kvbench import overrides as checks
+
     sys.argv = ["kvbench", *overrides] + (["--multirun"] if multirun else [])
-    hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(task)()
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # raise instead of printing Hydra's own message
+    try:
+        hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(task)()
+    except (HydraException, OmegaConfBaseException) as exc:
+        return _invalid(command, checks.explain_outside(exc, config_name, overrides))
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+    return 0
+
+
+def _invalid(command: str, message: str) -> int:
+    """Print a configuration error the way every Hydra command does; exit status 2."""
+    prefix = "kvbench" if command in ("run", "sweep") else f"kvbench {command}"
+    print(f"{prefix}: invalid configuration\n  {message}", file=sys.stderr)
+    return 2
+
+
+def _named(command: str, argv: list[str]) -> list[str]:
+    """``argv`` with ``--name NAME`` as ``run.sweep_name=NAME``; for a sweep without a
+    name (no run.sweep_name, no experiment), one made of its overrides
+    (kvbench.overrides.sweep_name_for), so an ad-hoc sweep never lands in ``single``.
+    ConfigError for a missing or doubled name."""
+    from kvbench.config import ConfigError
+    from kvbench.overrides import quoted, sweep_name_for
+
+    rest: list[str] = []
+    name: str | None = None
+    items = iter(argv)
+    for item in items:
+        if item == "--name" or item.startswith("--name="):
+            value = item.partition("=")[2] if "=" in item else next(items, None)
+            if not value:
+                raise ConfigError("--name: give the sweep's name, e.g. --name paged-vs-dense")
+            name = value
+        else:
+            rest.append(item)
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in rest if not o.startswith("-")}
+    if name is not None:
+        if "run.sweep_name" in keys:
+            raise ConfigError("--name: also given as run.sweep_name; give one of them")
+        return [*rest, f"run.sweep_name={quoted(name)}"]
+    if command == "sweep" and not keys & {"run.sweep_name", "experiment"}:
+        return [
+            *rest,
+            f"run.sweep_name={quoted(sweep_name_for([o for o in rest if not o.startswith('-')]))}",
+        ]
+    return rest
 
 
 def _run_task(cfg) -> None:  # noqa: ANN001 - Hydra passes a DictConfig
@@ -178,14 +268,18 @@ def _hydra_command(command: str, argv: list[str]) -> int:
         else:
             print(_hydra_help(command))
         return 0
+    from kvbench.config import ConfigError
+
     if command == "size":
         overrides = [a for a in argv if a != "--json"] + (["format=json"] if "--json" in argv else [])
-        _run_hydra(_size_task, "size", overrides, multirun=False)
-    elif command == "export":
-        _run_hydra(_export_task, "export", argv, multirun=False)
-    else:
-        _run_hydra(_run_task, "config", argv, multirun=command == "sweep")
-    return 0
+        return _run_hydra(_size_task, "size", overrides, multirun=False, command=command)
+    if command == "export":
+        return _run_hydra(_export_task, "export", argv, multirun=False, command=command)
+    try:
+        overrides = _named(command, argv)
+    except ConfigError as exc:
+        return _invalid(command, str(exc))
+    return _run_hydra(_run_task, "config", overrides, multirun=command == "sweep", command=command)
 
 
 def _delegate(module: str, function: str) -> Callable[[list[str]], int]:

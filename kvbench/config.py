@@ -12,15 +12,18 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from kvbench.quality_config import QualityConfig
 from kvbench.sizing import DEFAULT_BLOCK_SIZE
@@ -50,6 +53,27 @@ QualitySchema = schema_of(QualityConfig, extra=(("enabled", bool, False),))
 # Dtypes the real engines compute and store in (kvbench.model.TORCH_DTYPES' keys, named
 # here without importing torch).
 COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+
+
+def kvbench_home() -> Path:
+    """The user's kvbench directory: ``$KVBENCH_HOME``, else the platform's per-user config
+    directory (``$XDG_CONFIG_HOME/kvbench`` or ``~/.config/kvbench`` on Linux,
+    ``~/Library/Application Support/kvbench`` on macOS, ``%APPDATA%\\kvbench`` on Windows).
+    What kvbench writes for the user (calibrated hardware profiles) lives here, never in
+    the installed package. Reads the environment only."""
+    if os.environ.get("KVBENCH_HOME"):
+        return Path(os.environ["KVBENCH_HOME"])
+    if sys.platform == "win32" and os.environ.get("APPDATA"):
+        return Path(os.environ["APPDATA"]) / "kvbench"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "kvbench"
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "kvbench"
+
+
+def user_hardware_dir() -> Path:
+    """Where ``kvbench calibrate`` writes profiles and ``hardware=NAME`` also looks
+    (after the shipped presets, which win on a name clash): ``kvbench_home()/hardware``."""
+    return kvbench_home() / "hardware"
 
 
 class ConfigError(ValueError):
@@ -164,11 +188,29 @@ def _merge_structured(schema: type, cfg: DictConfig) -> DictConfig:
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {_first_line(exc)}") from None
+        hint = ""
+        if isinstance(exc, (ConfigAttributeError, ConfigKeyError)) and key != "?":
+            # A key the schema lacks (typically a `+key=` typo): suggest from its siblings.
+            parent, _, name = key.rpartition(".")
+            structured = OmegaConf.structured(schema)
+            siblings = OmegaConf.select(structured, parent) if parent else structured
+            known = [str(k) for k in siblings] if OmegaConf.is_dict(siblings) else []
+            hint = unknown_key_hint(parent, name, known)
+        raise ConfigError(f"{key}: {first_line(exc)}{hint}") from None
     return merged
 
 
-def _first_line(exc: BaseException) -> str:
+def unknown_key_hint(section: str, key: str, known: Sequence[str]) -> str:
+    """``"; did you mean SECTION.CLOSE?"`` for the known key closest to ``key``, else
+    ``"; known keys: ..."`` (empty when nothing is known). ``section`` "" is the root. Pure."""
+    prefix = f"{section}." if section else ""
+    close = difflib.get_close_matches(key, list(known), n=1)
+    if close:
+        return f"; did you mean {prefix}{close[0]}?"
+    return f"; known keys: {', '.join(sorted(known))}" if known else ""
+
+
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -298,7 +340,7 @@ def check_plugin_params(node: DictConfig, section: str) -> None:
 
         target = get_object(target_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is a bad _target_
-        raise ConfigError(f"{section}._target_: cannot import {target_name!r}: {_first_line(exc)}") from None
+        raise ConfigError(f"{section}._target_: cannot import {target_name!r}: {first_line(exc)}") from None
     params, open_ended = accepted_params(target)
     for key in node:
         key = str(key)
@@ -307,10 +349,10 @@ def check_plugin_params(node: DictConfig, section: str) -> None:
         if key not in params:
             if open_ended:
                 continue
-            known = sorted(k for k in params if k not in _INJECTED_PARAMS)
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {section}.{close[0]}?" if close else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"{section}.{key}: unknown key for {target_name}{hint}")
+            known = plugin_keys(params)
+            raise ConfigError(
+                f"{section}.{key}: unknown key for {target_name}{unknown_key_hint(section, key, known)}"
+            )
         annotation = params[key]
         if annotation is inspect.Parameter.empty:
             continue
@@ -318,6 +360,12 @@ def check_plugin_params(node: DictConfig, section: str) -> None:
         problem = _type_problem(value, annotation)
         if problem is not None:
             raise ConfigError(f"{section}.{key}: expected {problem}, got {value!r}")
+
+
+def plugin_keys(params: Mapping[str, Any]) -> list[str]:
+    """The keys a plug-in's YAML node may set, of ``accepted_params``' names (those the
+    runtime injects are not configuration). Pure."""
+    return sorted(k for k in params if k not in _INJECTED_PARAMS)
 
 
 def accepted_params(target: Callable[..., Any]) -> tuple[dict[str, Any], bool]:

@@ -8,8 +8,11 @@ re-raises a failed multirun job after the others and then skips ``on_multirun_en
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from omegaconf import DictConfig
 from kvbench import results
 from kvbench.config import ConfigError, validate_config
 from kvbench.execute import RunOutcome, config_hash, execute, run_id_for
+from kvbench.runner import PROGRESS_LABEL
 from kvbench.summary_view import (
     CI_CONFIDENCE,
     RUN_LINE_METRICS,
@@ -51,6 +55,11 @@ def run_job(cfg: DictConfig) -> RunOutcome:
         if not multirun:
             raise
         return _record_config_failure(cfg, overrides, exc)
+    label = None
+    if multirun:
+        label, index = _job_label(cfg, overrides)
+        if cfg.run.progress != "off":
+            print(f"kvbench: {label}{_PLAN.eta_text(index)}", flush=True)
     if cfg.run.resume and results.is_complete(run_dir, digest):
         print(f"kvbench: {run_dir} already complete with the same config; skipped (run.resume=false reruns)")
         return RunOutcome(run_dir, "skipped", {})
@@ -63,9 +72,93 @@ def run_job(cfg: DictConfig) -> RunOutcome:
             raise ConfigError(f"{key}: {exc}") from None
         print(f"kvbench: run FAILED: {exc}", file=sys.stderr)
         return _unrecorded(RunOutcome(run_dir, "failed", {}, str(exc), recorded=False))
-    outcome = execute(cfg, run_dir, digest)
+    started_s = time.monotonic()
+    token = PROGRESS_LABEL.set(label)
+    try:
+        outcome = execute(cfg, run_dir, digest)
+    finally:
+        PROGRESS_LABEL.reset(token)
+    if multirun:
+        _PLAN.record_run(time.monotonic() - started_s)
     _print_outcome(outcome)
     return outcome if outcome.recorded else _unrecorded(outcome)
+
+
+class _SweepPlan:
+    """This process's view of the running sweep: jobs per pass, repeats (one pass per
+    repeat, see kvbench.cli), which override keys vary, and how long the runs executed so
+    far took (for the ETA). Empty in a job launched in another process (joblib,
+    submitit): labels then show only the job's number in its pass."""
+
+    def __init__(self) -> None:
+        self.start(0, 1, ())
+
+    def start(self, num_jobs_per_pass: int, num_passes: int, swept_keys: tuple[str, ...]) -> None:
+        self.num_jobs_per_pass = num_jobs_per_pass
+        self.num_passes = num_passes
+        self.swept_keys = swept_keys
+        self.durations_s: list[float] = []
+
+    def position(self, repeat: int, job_num: int) -> tuple[int, int]:
+        """(this job's 0-based index in the whole sweep, number of jobs); (job_num, 0)
+        when the plan is unknown here."""
+        if not self.num_jobs_per_pass:
+            return job_num, 0
+        return repeat * self.num_jobs_per_pass + job_num, self.num_jobs_per_pass * self.num_passes
+
+    def record_run(self, duration_s: float) -> None:
+        self.durations_s.append(duration_s)
+
+    def eta_text(self, index: int) -> str:
+        """`` \u00b7 about 2m 10s left`` from the mean executed run (skipped runs cost
+        nothing) times the jobs from ``index`` on; "" before any run finished."""
+        _, num_jobs = self.position(0, index)
+        if not self.durations_s or not num_jobs:
+            return ""
+        eta_s = round(sum(self.durations_s) / len(self.durations_s) * (num_jobs - index))
+        minutes, seconds = divmod(eta_s, 60)
+        return f" \u00b7 about {f'{minutes}m ' if minutes else ''}{seconds}s left in the sweep"
+
+
+def _plan_of(config: DictConfig) -> tuple[int, tuple[str, ...]]:
+    """Jobs per pass and the varying override keys of a multirun, as Hydra's basic sweeper
+    expands it: the product of its sweep parameters (``hydra.sweeper.params``, then the
+    command line's; a key given twice counts once). (0, ()) when a parameter cannot be
+    expanded here (glob needs the config loader) or another sweeper is in use."""
+    params = config.hydra.sweeper.get("params") or {}
+    texts = [f"{key}={value}" for key, value in params.items()] + [
+        str(o) for o in config.hydra.overrides.task
+    ]
+    try:
+        parsed = OverridesParser.create().parse_overrides(texts)
+        lengths = {
+            o.get_key_element(): len(list(o.sweep_string_iterator())) for o in parsed if o.is_sweep_override()
+        }
+    except HydraException:
+        return 0, ()
+    return math.prod(lengths.values()), tuple(lengths)
+
+
+_PLAN = _SweepPlan()
+
+
+def _job_label(cfg: DictConfig, overrides: list[str]) -> tuple[str, int]:
+    """``run 3/12 \u00b7 engine=paged workload=chat`` (the job's position in the sweep and
+    the overrides the sweep varies; all of the job's overrides when the plan is not known
+    here) and the job's index in the sweep."""
+    index, num_jobs = _PLAN.position(cfg.run.repeat, HydraConfig.get().job.num)
+    position = f"run {index + 1}/{num_jobs}" if num_jobs else f"run {index + 1}"
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    shown = [
+        text
+        for text, override in zip(overrides, parsed)
+        if (
+            override.get_key_element() in _PLAN.swept_keys if num_jobs else not text.startswith("run.repeat=")
+        )
+    ]
+    if _PLAN.num_passes > 1:
+        shown.append(f"repeat {cfg.run.repeat + 1}/{_PLAN.num_passes}")
+    return " \u00b7 ".join([position, " ".join(shown)]) if shown else position, index
 
 
 def _run_dir(cfg: DictConfig, overrides: list[str], digest: str) -> Path:
@@ -147,7 +240,10 @@ class SweepFinalizer(Callback):
         and that the sweep directory can be written, before Hydra creates
         ``<results_dir>/<sweep_name>/.hydra``: a bad name or path stops the sweep with one
         screen and exit status 2, with nothing created outside ``run.results_dir``."""
-        _UNRECORDED_FAILURES.clear()
+        if config.run.repeat == 0:  # the first pass of run.repeats (kvbench.cli)
+            _UNRECORDED_FAILURES.clear()
+            num_jobs_per_pass, swept_keys = _plan_of(config)
+            _PLAN.start(num_jobs_per_pass, config.run.repeats if _is_repeat_pass(config) else 1, swept_keys)
         try:
             for key, value in _names_to_check(config):
                 results.check_path_component(value, key)
@@ -157,6 +253,8 @@ class SweepFinalizer(Callback):
             raise SystemExit(2) from None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if _is_repeat_pass(config) and config.run.repeat < config.run.repeats - 1:
+            return  # table, report and exit status once, after the last repeat's pass
         sweep_dir = _sweep_dir(config)
         num_failed = len(_UNRECORDED_FAILURES)
         if any(results.find_runs(sweep_dir)):
@@ -182,6 +280,12 @@ class SweepFinalizer(Callback):
         if num_failed:
             print(f"kvbench: {num_failed} run(s) failed in {sweep_dir}", file=sys.stderr)
             raise SystemExit(min(num_failed, 125))
+
+
+def _is_repeat_pass(config: DictConfig) -> bool:
+    """Whether this multirun is one of kvbench.cli's passes of ``run.repeats`` (its command
+    line sets run.repeat to one number; a hand-made run.repeat sweep is one multirun)."""
+    return any(re.fullmatch(r"run\.repeat=\d+", str(o)) for o in config.hydra.overrides.task)
 
 
 def _sweep_dir(config: DictConfig) -> Path:

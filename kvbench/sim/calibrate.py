@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvbench.config import user_hardware_dir
 from kvbench.sim.cost_model import CostModel, StepShape
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 
@@ -451,7 +452,7 @@ def _plain(value: Any) -> Any:
 
 
 def to_yaml(result: CalibrationFit, source: str) -> str:
-    """The fitted profile as a ``conf/hardware/*.yaml`` file with a provenance header."""
+    """The fitted profile as a hardware preset YAML (``hardware=NAME``) with a provenance header."""
     hw = result.hardware
     lines = [
         f"{HEADER} {source}` on {result.num_steps:,} real-mode steps",
@@ -467,8 +468,17 @@ def to_yaml(result: CalibrationFit, source: str) -> str:
 
 
 def default_output(name: str) -> Path:
-    """``conf/hardware/<name>.yaml`` of the installed config package (``hardware=<name>`` finds it)."""
-    return Path(str(resources.files("kvbench.conf").joinpath("hardware"))) / f"{name}.yaml"
+    """``<user hardware dir>/<name>.yaml`` (``$KVBENCH_HOME/hardware``, else the platform's
+    config dir; kvbench.config.user_hardware_dir), where ``hardware=<name>`` finds it;
+    never the installed package. CalibrationError for a shipped preset's name: the
+    shipped preset wins on a clash, so the profile would never be used."""
+    shipped = resources.files("kvbench.conf").joinpath("hardware", f"{name}.yaml")
+    if shipped.is_file():
+        raise CalibrationError(
+            f"--name: {name!r} is a shipped hardware preset, which hardware={name} would keep "
+            "choosing; pick another name"
+        )
+    return user_hardware_dir() / f"{name}.yaml"
 
 
 def check_output(out: Path, force: bool) -> None:
@@ -505,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results_dir", help="a run or sweep directory of real-mode results")
     parser.add_argument("--name", default="calibrated", help="profile name (default: calibrated)")
     parser.add_argument(
-        "--out", default=None, help="output YAML (default: conf/hardware/NAME.yaml in kvbench.conf)"
+        "--out",
+        default=None,
+        help="output YAML (default: $KVBENCH_HOME/hardware/NAME.yaml, else ~/.config/kvbench/hardware/; "
+        "hardware=NAME finds it there)",
     )
     parser.add_argument(
         "--force", action="store_true", help="overwrite a profile an earlier kvbench calibrate wrote"
