@@ -291,8 +291,9 @@ def metric_unit(metric: str) -> str:
 def run_timing(runs: pd.DataFrame) -> tuple[bool, bool]:
     """``(simulated, wall_clock_schedule)`` of a configuration's runs, as ``metrics.is_timed``
     takes them: simulated when every run is ``mode: sim``; the schedule follows the wall
-    clock unless every run replays offline arrivals (``workload_params.arrival`` or
-    ``.arrival.kind`` "offline") on kvbench's own engines (a live server, ``engine_kind``
+    clock unless every run's schedule is clock-free (run.json ``clock_free_schedule``:
+    every request ready at t = 0 or a closed loop of one; for older runs, offline arrivals
+    in ``workload_params.arrival`` or ``.arrival.kind``) on kvbench's own engines (a live server, ``engine_kind``
     "live", schedules on its own clock). Missing facts read as the wall clock: a metric is
     judged as timed rather than cry wolf."""
     simulated = "mode" in runs and len(runs) > 0 and bool((runs["mode"] == "sim").all())
@@ -302,7 +303,10 @@ def run_timing(runs: pd.DataFrame) -> tuple[bool, bool]:
             row.get("workload_params.arrival")
         )
         live = plain_value(row.get("engine_kind")) == "live"
-        wall_clock = wall_clock or live or arrival != "offline"
+        recorded = plain_value(row.get("clock_free_schedule"))
+        # Runs recorded before clock_free_schedule existed: offline arrivals stand for it.
+        clock_free = recorded == "True" if recorded in ("True", "False") else arrival == "offline"
+        wall_clock = wall_clock or live or not clock_free
     return simulated, wall_clock
 
 

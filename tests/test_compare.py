@@ -295,3 +295,16 @@ def test_compare_html_never_overwrites_a_user_file(baseline, tmp_path, monkeypat
     assert compare.main([str(baseline), str(baseline)]) == 0
     assert compare.main([str(baseline), str(baseline)]) == 0  # its own page is replaced
     assert sorted(p.name for p in planted.parent.iterdir()) == [planted.name]
+
+
+def test_clock_free_schedule_decides_whether_schedule_metrics_are_timed() -> None:
+    """A closed loop of one is clock-free even with Poisson arrivals; chat turns spaced by
+    turn_interval_s are not, even with offline first arrivals (run.json clock_free_schedule)."""
+    from kvbench.compare import run_timing
+
+    base = {"mode": "real", "engine_kind": "engine", "workload_params.arrival": "offline"}
+    assert run_timing(pd.DataFrame([{**base, "clock_free_schedule": False}])) == (False, True)
+    closed = {**base, "workload_params.arrival": "poisson", "clock_free_schedule": True}
+    assert run_timing(pd.DataFrame([closed])) == (False, False)
+    assert run_timing(pd.DataFrame([base])) == (False, False)  # older runs: offline stands for it
+    assert run_timing(pd.DataFrame([{**closed, "engine_kind": "live"}])) == (False, True)

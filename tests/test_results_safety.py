@@ -32,7 +32,7 @@ from kvbench.execute import nothing_completed_error
 from kvbench.sweep import run_job
 
 BASELINE_RUN = (
-    Path(__file__).parent.parent / "results" / "baselines" / "gqa_vs_mha" / "model=tiny-gqa-4716ae88"
+    Path(__file__).parent.parent / "results" / "baselines" / "gqa_vs_mha" / "model=tiny-gqa-08c99ff5"
 )
 BASE = ["model=tiny-mqa", "workload.output_len=2", "run.warmup=false", "run.report=false"]
 TINY = [*BASE, "workload.num_requests=1", "workload.prompt_len=8"]
@@ -184,7 +184,8 @@ def test_marked_and_pre_marker_runs_are_replaced(tmp_path: Path) -> None:
 
 def test_shipped_baselines_still_load() -> None:
     runs = results.load(BASELINE_RUN.parent).runs
-    assert sorted(runs["model.name"]) == ["tiny-gqa", "tiny-mha", "tiny-mqa"]
+    assert sorted(set(runs["model.name"])) == ["tiny-gqa", "tiny-mha", "tiny-mqa"]
+    assert sorted(set(runs["run.repeat"])) == [0, 1, 2, 3, 4] and len(runs) == 15
 
 
 # --------------------------------------------------------------------------- killed mid-replace
@@ -330,7 +331,7 @@ def test_sweep_tables_replace_only_kvbench_tables(tmp_path: Path) -> None:
     legacy = tmp_path / "legacy"
     shutil.copytree(BASELINE_RUN.parent, legacy)
     results.write_sweep_table(legacy)
-    assert pd.read_parquet(legacy / "runs.parquet")["run_id"].nunique() == 3
+    assert pd.read_parquet(legacy / "runs.parquet")["run_id"].nunique() == 15
 
 
 # --------------------------------------------------------------------------- nothing completed
