@@ -61,6 +61,9 @@ class EngineConfig:
     num_host_blocks: int = 0  # host swap pool; 0 with preemption=swap: as many as num_blocks
     decode_backend: str = "auto"  # one of DECODE_BACKENDS
     fast_forward: bool = True  # simulation: one step may cover a run of plain decode steps
+    # When prefill KV becomes visible to prefix matches (engines/sched/scheduler.REGISTER_BLOCKS):
+    # on_completion (kvbench's default) or on_schedule (vLLM's allocate_slots -> cache_blocks).
+    register_blocks: str = SchedulerConfig.register_blocks
 
     def __post_init__(self) -> None:
         block_size = self.block_size
@@ -106,6 +109,7 @@ class EngineConfig:
             preemption=self.preemption,
             victim_policy=self.victim_policy,
             max_model_len=max_model_len,
+            register_blocks=self.register_blocks,
         )
 
     def host_blocks_for(self, num_blocks: int) -> int:

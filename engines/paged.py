@@ -5,6 +5,7 @@ One ``step()``::
     scheduler.schedule()          reserve KV slots, preempt / swap / admit  (tensor-free)
     executor.execute(output)      apply KV ops, run the model over the chunks -> logits
     scheduler.complete_step()     mark chunks computed, register full blocks in the prefix index
+                                  (prefill chunks at schedule() with register_blocks=on_schedule)
     sample / rank beams           Sampler (batch-independent keys) or beam ranking
     scheduler.append_token / fork_samples / advance_beams
 
@@ -87,6 +88,11 @@ class PagedEngine:
     steps once the runner has called ``set_next_arrival_s``; results are identical to
     stepping one iteration per call (``fast_forward=False``), only faster.
 
+    ``register_blocks`` says when a prefill chunk's KV becomes visible to prefix matches:
+    ``on_completion`` (after the step) or ``on_schedule`` (vLLM: a request admitted later
+    in the same scheduling pass hits blocks still being computed; exact in real mode, as
+    every chunk's K/V of a layer is written before that layer's attention).
+
     Raises ValueError naming ``engine.<parameter>`` for an invalid parameter.
     """
 
@@ -108,6 +114,7 @@ class PagedEngine:
         num_host_blocks: int = DEFAULTS.num_host_blocks,
         decode_backend: str = DEFAULTS.decode_backend,
         fast_forward: bool = DEFAULTS.fast_forward,
+        register_blocks: str = DEFAULTS.register_blocks,
         executor: Executor | None = None,
         kv_manager_factory: Callable[[int, int, int], KVManager] | None = None,
     ) -> None:

@@ -175,6 +175,7 @@ def twin_config(
     engine.prefix_cache = "block_hash" if limits.enable_prefix_caching else "none"
     engine.preemption = "recompute"
     engine.victim_policy = "newest"
+    engine.register_blocks = "on_schedule"  # vLLM caches a block when it schedules the tokens filling it
     cfg.engine = engine
     cfg.workload = OmegaConf.create({"_target_": f"{__name__}.recorded_arrivals", "live_run": str(live_dir)})
     if hardware is not None:
@@ -191,14 +192,22 @@ def twin_config(
 
 
 def load_hardware(name_or_path: str) -> DictConfig:
-    """A hardware profile: a YAML file, or a preset of kvbench.conf/hardware (where
-    ``kvbench calibrate`` writes). Raises TwinError naming the argument."""
+    """A hardware profile: a YAML file, a preset of kvbench.conf/hardware, or a profile
+    ``kvbench calibrate`` wrote (``kvbench.config.user_hardware_dir()``; shipped presets win
+    on a name clash, as for ``hardware=NAME``). Raises TwinError naming the argument."""
+    from kvbench.config import user_hardware_dir
+
     path = Path(name_or_path)
     if not path.is_file():
         results.check_path_component(name_or_path, "--hardware")
         path = Path(str(resources.files("kvbench.conf").joinpath("hardware", f"{name_or_path}.yaml")))
+        if not path.is_file():
+            path = user_hardware_dir() / f"{name_or_path}.yaml"
     if not path.is_file():
-        raise TwinError(f"--hardware: {name_or_path!r} is neither a YAML file nor a preset in conf/hardware/")
+        raise TwinError(
+            f"--hardware: {name_or_path!r} is neither a YAML file, a preset in conf/hardware/ "
+            f"nor a calibrated profile in {user_hardware_dir()}"
+        )
     try:
         node = OmegaConf.load(path)
     except (OSError, ValueError) as exc:

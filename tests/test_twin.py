@@ -333,6 +333,7 @@ def test_twin_config_replays_the_recorded_send_times(tmp_path: Path) -> None:
     assert merged.run.mode == "sim" and merged.engine.num_blocks == 39  # vLLM's null block
     assert (merged.engine.block_size, merged.engine.max_num_batched_tokens) == (32, 2048)
     assert merged.workload.live_run == str(live_dir)
+    assert merged.engine.register_blocks == "on_schedule"  # vLLM caches blocks as it schedules them
 
 
 def test_comparison_file_of_another_writer_is_never_replaced(tmp_path: Path) -> None:

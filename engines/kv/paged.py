@@ -324,7 +324,9 @@ class PagedKVManager(SeqTable):
 
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Register ``token_ids`` (all tokens whose KV is written for the sequence) with the
-        prefix index. Mutates: the index. ValueError when more tokens than slots."""
+        prefix index; where the index already holds a full block with the same KV, the
+        sequence reads that one and drops its own copy (``PrefixIndex.commit``). Mutates:
+        the index, the block table and references. ValueError when more tokens than slots."""
         seq = self._seqs.get(seq_id)
         if seq is None or seq.host_blocks is not None:
             seq = self._resident(seq_id, "commit")  # raises naming the seq
@@ -332,7 +334,15 @@ class PagedKVManager(SeqTable):
             raise ValueError(
                 f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
             )
-        self.prefix_index.commit(seq_id, token_ids, seq.block_ids, seq.extra_key)
+        table = seq.block_ids
+        for index, block in self.prefix_index.commit(seq_id, token_ids, table, seq.extra_key):
+            # A full block: every slot claimed, so the switch keeps the claimed-slot counts.
+            own = table[index]
+            table[index] = block
+            self.pool.incref(block)
+            self._add_seq_ref(block)
+            self._drop_seq_ref(own)
+            self.pool.decref(own)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (ref count +1 each).

@@ -103,10 +103,17 @@ class PrefixIndex(Protocol):
 
     def commit(
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
-    ) -> None:
+    ) -> tuple[tuple[int, int], ...]:
         """Register the KV now written for ``seq_id``: ``token_ids`` are all its written tokens
         (a prefix-extension of the previous commit) and ``block_ids`` its block table.
-        Mutates: the index and, for indexes that hold blocks, pool references."""
+
+        Returns (logical index, block) pairs: full blocks of the index holding exactly the
+        KV the sequence wrote at that index (the same tokens after the same prefix,
+        computed by another sequence in parallel). The manager points the sequence's table
+        at them and drops its own copies, so that what the index keeps is what its live
+        sequences read (de-duplication, as SGLang's radix cache does). Empty for indexes
+        that hold no blocks. Mutates: the index and, for indexes that hold blocks, pool
+        references."""
         ...
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -165,8 +172,8 @@ class NullPrefixIndex:
 
     def commit(
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
-    ) -> None:
-        return None
+    ) -> tuple[tuple[int, int], ...]:
+        return ()
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         return None
@@ -387,13 +394,15 @@ class BlockHashPrefixIndex:
 
     def commit(
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
-    ) -> None:
+    ) -> tuple[tuple[int, int], ...]:
+        # The hash index holds no block references (registered blocks live on in the free
+        # list), so a duplicate pins nothing: the first registration wins, as in vLLM.
         pool = self._bound_pool()
         state = self._seq(seq_id)
         bs = self._block_size
         num_full = len(token_ids) // bs
         if num_full <= state.num_blocks:
-            return  # no new full block (most decode steps)
+            return ()  # no new full block (most decode steps)
         if num_full > len(block_ids):
             raise ValueError(
                 f"BlockHashPrefixIndex.commit: seq {seq_id} commits {len(token_ids)} tokens "
@@ -427,6 +436,7 @@ class BlockHashPrefixIndex:
             # blocks (C-level; O(pool) per O(pool) dead entries).
             live = list(itertools.compress(range(pool.num_blocks), cached))
             self._hash_to_block = dict(zip(map(block_hash.__getitem__, live), live))
+        return ()
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:

@@ -21,6 +21,21 @@ counts on every node up to the root. References of unlocked nodes are *soft* in 
 so ``BlockPool.num_reclaimable`` is exactly what ``evict`` can free. Eviction removes
 unlocked leaves in least-recently-used order (a logical clock, for reproducibility) from a
 lazy heap; a parent whose last child goes becomes a candidate leaf.
+
+A lock pins only what its sequence reads. Locked blocks cannot be evicted, so a block a
+locked node holds but no live sequence reads is memory a sequence alone in the pool never
+gets back: a request that fits the pool alone would be rejected. Two rules keep them out:
+
+* De-duplication (``_share_blocks``): a sequence that committed tokens a node already
+  holds (it computed them in parallel, before either registered) switches to the node's
+  full blocks (``commit`` returns them) instead of the node taking the sequence's, which
+  would pin them for the node's other lockers.
+* Partial blocks (``_follow_child``): where a node ends mid-block and every lock on it
+  comes through its children (no sequence ends at it), each locker reads there the first
+  block of the locked child it goes through (its own copy after a copy-on-write: a match
+  that ended mid-block, a forked sample). The node then holds one of those blocks in
+  place of its own, which nobody may read any more. Locks and unlocks reconcile their
+  path bottom up.
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ class _Node:
         "last_access",
         "node_id",
         "alive",
+        "locked_children",
     )
 
     def __init__(self, parent: _Node | None, key: list[int], start: int, block_ids: list[int], node_id: int):
@@ -55,6 +71,7 @@ class _Node:
         self.last_access = 0
         self.node_id = node_id
         self.alive = True
+        self.locked_children: set[_Node] = set()  # children with lock_count > 0
 
     @property
     def end(self) -> int:
@@ -155,12 +172,10 @@ class RadixPrefixIndex:
             node = child
         if pos == 0:
             return NO_MATCH
-        # Blocks that locking this path pins: reclaimable ones among the locked range.
-        pinned: set[int] = set()
-        for path_node, num_blocks in path:
-            for b in path_node.block_ids[:num_blocks]:
-                if pool.soft_count(b) == pool.ref_count(b):
-                    pinned.add(b)
+        # Blocks that locking this path pins: the reclaimable ones among those the sequence
+        # reads. A shadowed partial block of an unlocked ancestor (a deeper node holds a copy)
+        # is not pinned: the lock makes that ancestor follow the copy (``_follow_child``).
+        pinned = {b for b in table if pool.soft_count(b) == pool.ref_count(b)}
         last, _ = path[-1]
         return PrefixMatch(pos, tuple(table), len(pinned), handle=(last, pos - last.start))
 
@@ -181,12 +196,12 @@ class RadixPrefixIndex:
 
     def commit(
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
-    ) -> None:
+    ) -> tuple[tuple[int, int], ...]:
         state = self._seq(seq_id)
         pos = state.num_tokens
         end = len(token_ids)
         if end <= pos:
-            return
+            return ()
         if (end - 1) // self._block_size >= len(block_ids):
             raise ValueError(
                 f"RadixPrefixIndex.commit: seq {seq_id} commits {end} tokens "
@@ -195,11 +210,12 @@ class RadixPrefixIndex:
         old = state.node
         start_node = old if old is not None else self._root(extra_key)
         new_tokens = list(token_ids[pos:end])
+        shared: list[tuple[int, int]] = []
         if old is not None and state.owns_node and self._can_extend(old, block_ids):
             self._extend(old, new_tokens, block_ids)
             target, created = old, True
         else:
-            target, created = self._insert(start_node, pos, new_tokens, block_ids)
+            target, created = self._insert(start_node, pos, new_tokens, block_ids, shared)
         if target is not old:
             self._lock(target)
             if old is not None:
@@ -208,6 +224,7 @@ class RadixPrefixIndex:
         state.node = target
         state.num_tokens = end
         state.owns_node = created
+        return tuple(shared)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:
@@ -295,6 +312,15 @@ class RadixPrefixIndex:
                 assert child.lock_count == child_locks, (
                     f"node {child.node_id}: lock_count={child.lock_count}, live sequences below: {child_locks}"
                 )
+                assert (child in node.locked_children) == (child.lock_count > 0), (
+                    f"node {child.node_id}: lock_count={child.lock_count} but in its parent's "
+                    f"locked_children: {child in node.locked_children}"
+                )
+                follow = self._block_to_follow(child)
+                assert follow is None, (
+                    f"node {child.node_id}: locked only through its children, but its partial last "
+                    f"block {child.block_ids[-1]} is none of theirs (follow {follow})"
+                )
                 if child.lock_count == 0:
                     for b in child.block_ids:
                         soft[b] = soft.get(b, 0) + 1
@@ -304,6 +330,9 @@ class RadixPrefixIndex:
         for root in self._roots.values():
             assert root.start == 0 and not root.key and not root.block_ids, "malformed root"
             visit(root)
+            assert len(root.locked_children) == sum(1 for c in root.children.values() if c.lock_count), (
+                "root: stale locked_children"
+            )
         assert num_nodes == self._num_nodes, f"num_nodes={self._num_nodes}, recount {num_nodes}"
         for b in range(pool.num_blocks):
             assert pool.soft_count(b) == soft.get(b, 0), (
@@ -356,6 +385,10 @@ class RadixPrefixIndex:
         upper = self._new_node(node.parent, node.key[:num_upper], node.start, upper_blocks)
         upper.lock_count = node.lock_count
         upper.last_access = node.last_access
+        if node.lock_count:
+            upper.locked_children.add(node)
+            node.parent.locked_children.discard(node)
+            node.parent.locked_children.add(upper)
         node.block_ids = node.block_ids[cut // bs - first_k :]
         if cut % bs:
             shared = upper_blocks[-1]  # the block holding both sides of a mid-block cut
@@ -372,12 +405,17 @@ class RadixPrefixIndex:
         return upper
 
     def _insert(
-        self, node: _Node, pos: int, tokens: list[int], block_ids: Sequence[int]
+        self,
+        node: _Node,
+        pos: int,
+        tokens: list[int],
+        block_ids: Sequence[int],
+        shared: list[tuple[int, int]],
     ) -> tuple[_Node, bool]:
         """Walk/extend the tree below ``node`` (which ends at ``pos``) with ``tokens``;
         returns the node ending exactly at ``pos + len(tokens)`` and whether it is new.
-        Existing nodes keep their place in the tree (de-duplication) but take the
-        sequence's blocks for their range (``_adopt_blocks``)."""
+        Existing nodes keep their place and their full blocks; the sequence switches to
+        those (appended to ``shared``, see ``_share_blocks``)."""
         pool = self._bound_pool()
         bs = self._block_size
         i = 0
@@ -397,36 +435,77 @@ class RadixPrefixIndex:
             c = _common_prefix_len(child.key, tokens[i : i + len(child.key)])
             if c < len(child.key):
                 child = self._split(child, c)
-            self._adopt_blocks(child, block_ids)
+            self._share_blocks(child, block_ids, pos + n, shared)
             i += c
             node = child
         return node, False
 
-    def _adopt_blocks(self, node: _Node, block_ids: Sequence[int]) -> None:
-        """Point ``node`` at the committing sequence's blocks (same tokens at the same
-        positions after the same path, so the same KV), dropping its references to the
-        blocks an earlier sequence computed.
+    def _share_blocks(
+        self, node: _Node, block_ids: Sequence[int], commit_end: int, shared: list[tuple[int, int]]
+    ) -> None:
+        """A sequence committing through ``node`` (up to ``commit_end`` >= ``node.end``) wrote
+        the node's tokens at the same positions after the same path: the same KV. Where its
+        blocks differ from the node's, keep one copy read by every locker of the node:
 
-        The committing sequence locks the node it ends at. Were the node to keep the
-        other blocks, that lock would pin KV the sequence never reads: a request that
-        recomputes a cached token (a match stops before the last prompt token) would hold
-        one duplicate block per such range on top of its own, and alone in a pool sized
-        for it alone it could not grow. A node's references are soft exactly while it is
-        unlocked; the swapped ones keep that state."""
+        * a block the node fills to its end: the sequence switches to the node's (appended
+          to ``shared`` as (logical index, block)); the node's other lockers read it too;
+        * the node's partial last block, where the commit ends: the node takes the
+          sequence's (it holds the node's tokens up to ``node.end``; the sequence writes
+          on after them, so it cannot switch), keeping its references soft if unlocked;
+        * the partial last block with the commit going on past the node: the sequence's
+          block goes to the deeper node, which ``_follow_child`` makes this one follow.
+        """
         pool = self._bound_pool()
-        first = node.start // self._block_size
-        soft = node.lock_count == 0
+        bs = self._block_size
+        first = node.start // bs
         table = node.block_ids
-        for j, old in enumerate(table):
-            new = block_ids[first + j]
-            if new == old:
+        for j, held in enumerate(table):
+            mine = block_ids[first + j]
+            if mine == held:
                 continue
-            pool.incref(new)
-            if soft:
-                pool.soften(new)
-                pool.harden(old)
-            pool.decref(old)
-            table[j] = new
+            if (first + j + 1) * bs <= node.end:
+                shared.append((first + j, held))
+            elif commit_end == node.end:
+                pool.incref(mine)
+                if node.lock_count == 0:
+                    pool.soften(mine)
+                    pool.harden(held)
+                pool.decref(held)
+                table[j] = mine
+
+    def _block_to_follow(self, node: _Node) -> int | None:
+        """The block ``node``'s partial last block should be (``_follow_child``), or None
+        when its own is right: it ends on a block boundary, is unlocked, a sequence ends at
+        it (and reads it), or a locked child starts in it. Otherwise the first block of
+        its locked child created first (deterministic). Pure; O(locked children)."""
+        if node.end % self._block_size == 0 or node.lock_count == 0:
+            return None
+        last = node.block_ids[-1]
+        num_locks_below = 0
+        follow: _Node | None = None
+        for child in node.locked_children:
+            if child.block_ids[0] == last:
+                return None
+            num_locks_below += child.lock_count
+            if follow is None or child.node_id < follow.node_id:
+                follow = child
+        if follow is None or num_locks_below != node.lock_count:
+            return None
+        return follow.block_ids[0]
+
+    def _follow_child(self, node: _Node) -> None:
+        """Point ``node``'s partial last block at a block its lockers read (see the module
+        docstring and ``_block_to_follow``). A locked child's first block holds the node's
+        tokens at every position of the block up to ``node.end`` (its creator wrote or
+        copied them), so matches ending in ``node`` stay valid. The node is locked: its
+        references are hard."""
+        new = self._block_to_follow(node)
+        if new is None:
+            return
+        pool = self._bound_pool()
+        pool.incref(new)
+        pool.decref(node.block_ids[-1])
+        node.block_ids[-1] = new
 
     def _can_extend(self, node: _Node, block_ids: Sequence[int]) -> bool:
         # A leaf the caller created and alone locks is private to it: growing it in place
@@ -458,7 +537,9 @@ class RadixPrefixIndex:
             if n.lock_count == 0:
                 for b in n.block_ids:
                     pool.harden(b)
+                n.parent.locked_children.add(n)
             n.lock_count += 1
+            self._follow_child(n)  # bottom up: its children are reconciled already
             n = n.parent
 
     def _unlock(self, node: _Node) -> None:
@@ -469,8 +550,11 @@ class RadixPrefixIndex:
             if n.lock_count == 0:
                 for b in n.block_ids:
                     pool.soften(b)
+                n.parent.locked_children.discard(n)
                 if not n.children:
                     heapq.heappush(self._heap, (n.last_access, n.node_id, n))
+            else:
+                self._follow_child(n)  # the locks left may all come through one child now
             n = n.parent
         if len(self._heap) > 2 * self._num_nodes + 64:
             self._rebuild_heap()

@@ -51,6 +51,12 @@ if TYPE_CHECKING:
     from kvbench.engines.kv.protocol import KVManager, KVOps
 
 PREEMPTION_MODES = ("recompute", "swap")
+# When a prefill chunk's KV becomes visible to prefix matches: once the step that writes it
+# completes (``complete_step``), or as soon as the chunk is scheduled, as vLLM does
+# (``KVCacheManager.allocate_slots`` -> ``cache_blocks``): a group admitted later in the same
+# pass then hits blocks still being computed. Exact in real mode too: the executor writes
+# every chunk's K/V of a layer before any attention of that layer reads the cache.
+REGISTER_BLOCKS = ("on_completion", "on_schedule")
 
 
 # --------------------------------------------------------------------------- policies
@@ -92,6 +98,7 @@ class SchedulerConfig:
     preemption: str = "recompute"
     victim_policy: str = "newest"
     max_model_len: int = 2048
+    register_blocks: str = "on_completion"  # one of REGISTER_BLOCKS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -106,6 +113,10 @@ class SchedulerConfig:
             )
         if self.max_model_len <= 0:
             raise ValueError(f"engine.max_model_len: must be > 0, got {self.max_model_len}")
+        if self.register_blocks not in REGISTER_BLOCKS:
+            raise ValueError(
+                f"engine.register_blocks: must be one of {REGISTER_BLOCKS}, got {self.register_blocks!r}"
+            )
 
 
 class ScheduledChunk(NamedTuple):
@@ -172,6 +183,12 @@ class SchedulerOutput:
         return StepShape.build(prefill_chunks, decode_lens)
 
 
+def is_decode_chunk(seq: Sequence, start: int, num_tokens: int) -> bool:
+    """Whether a chunk of ``num_tokens`` from ``start`` is a decode token: the sequence's
+    newest token, an output (not the prompt's last). Pure."""
+    return num_tokens == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens
+
+
 class _Piece:
     """A chunk being planned (mutable while the step is planned)."""
 
@@ -205,6 +222,7 @@ class Scheduler:
         # the ids and no table, so prompts are never copied for them.
         self.chunk_contents = chunk_contents
         self.policy = VICTIM_POLICIES[config.victim_policy]()
+        self._register_on_schedule = config.register_blocks == "on_schedule"
         self.block_size = kv.block_size
         self.waiting: list[SequenceGroup] = []  # sorted by policy key
         self.running: list[SequenceGroup] = []  # sorted by policy key; victims from the end
@@ -578,6 +596,8 @@ class Scheduler:
             self._budget -= num_tokens
             if self._budget <= 0:
                 break
+        if self._register_on_schedule:
+            self._register_scheduled(group)
         return True
 
     def _make_room(self, group: SequenceGroup, seq_id: int, num_tokens: int) -> bool:
@@ -659,7 +679,33 @@ class Scheduler:
         if ops is not NO_OPS:
             self._ops.append(ops)
         self._add_piece(group, leader, leader.num_computed_tokens, num_tokens)
+        if self._register_on_schedule:
+            self._register_scheduled(group)
         return True
+
+    def _register_scheduled(self, group: SequenceGroup) -> None:
+        """``register_blocks=on_schedule``: register with the prefix index the KV that this
+        step's prefill pieces of ``group`` write (the pieces at the end of the plan), so a
+        group admitted later in this pass hits it. Called once the group's pieces are all
+        planned: a group that preempts itself drops its pieces, and their KV must never be
+        registered. Pieces planned earlier in a pass are never dropped later in it (victims
+        come from the end of ``running``, not yet planned). Decode tokens are registered on
+        completion as with ``on_completion``, so the simulation fast path, which takes
+        decode steps without planning them, stays identical to stepping one by one.
+        ``complete_step`` commits again (a no-op for what is registered). Mutates the
+        prefix index (and, for de-duplicated blocks, the group's block tables)."""
+        pieces = self._pieces
+        first = len(pieces)
+        while first > 0 and pieces[first - 1].group is group:
+            first -= 1
+        kv = self.kv
+        for piece in pieces[first:]:
+            seq = piece.seq
+            if is_decode_chunk(seq, piece.start, piece.num_tokens):
+                continue
+            end = piece.start + piece.num_tokens
+            tokens = seq.token_ids
+            kv.commit(seq.seq_id, tokens if end == len(tokens) else TokenPrefix(tokens, end))
 
     def _add_piece(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
         self._pieces.append(_Piece(group, seq, start, num_tokens))
@@ -776,6 +822,8 @@ class Scheduler:
             if group.has_forked and len(group.seqs) > 1:
                 if not self._admit_forked(group):
                     return
+                if self._register_on_schedule:
+                    self._register_scheduled(group)
                 self._dequeue_waiting()
                 group.status = GroupStatus.RUNNING
                 self._num_running_seqs += group.num_samples
@@ -795,6 +843,8 @@ class Scheduler:
                 if num_tokens > 0:
                     self._add_piece(group, seq, num_cached, num_tokens)
             else:
+                if self._register_on_schedule:
+                    self._register_scheduled(group)
                 self._dequeue_waiting()
                 group.status = GroupStatus.RUNNING
                 self._num_running_seqs += group.num_samples
@@ -891,7 +941,7 @@ class Scheduler:
             seq, start, num_tokens = piece.seq, piece.start, piece.num_tokens
             end = start + num_tokens
             seq_len = len(seq.token_ids)
-            is_decode = num_tokens == 1 and start == seq_len - 1 and start >= seq.num_prompt_tokens
+            is_decode = is_decode_chunk(seq, start, num_tokens)
             if is_decode:
                 num_decode += 1
             else:
