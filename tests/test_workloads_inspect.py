@@ -172,6 +172,19 @@ def test_kvbench_trace_inspect_of_a_truncated_gzip_exits_nonzero_in_one_line(tmp
 
 # *_large presets are paper-scale traffic for simulation mode (seed_claims), not for
 # tiny CPU models; they get their own test below.
+def workload_node(config: str) -> object:
+    """The preset ``conf/workload/<config>.yaml`` as Hydra composes it (a preset may build
+    on another through its defaults list), interpolations left for the caller's root."""
+    from hydra import compose, initialize_config_module
+
+    from kvbench.config import register_schemas
+
+    register_schemas()
+    with initialize_config_module("kvbench.conf", version_base="1.3"):
+        composed = compose("config", overrides=[f"workload={config}"])
+    return OmegaConf.to_container(composed.workload, resolve=False)
+
+
 TINY_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml") if not p.stem.endswith("_large"))
 LARGE_CONFIGS = sorted(p.stem for p in CONF.glob("*_large.yaml"))
 
@@ -182,7 +195,7 @@ def test_paper_scale_configs_fit_llama3_context(config: str) -> None:
         {
             "model": {"vocab_size": 128256, "max_position_embeddings": 8192},
             "seed": 0,
-            "workload": OmegaConf.load(CONF / f"{config}.yaml"),
+            "workload": workload_node(config),
         }
     )
     workload = instantiate(root.workload)
@@ -196,7 +209,7 @@ def test_every_workload_config_instantiates_for_a_tiny_model(config: str) -> Non
         {
             "model": {"vocab_size": 4096, "max_position_embeddings": 2048},
             "seed": 0,
-            "workload": OmegaConf.load(CONF / f"{config}.yaml"),
+            "workload": workload_node(config),
         }
     )
     workload = instantiate(root.workload)
