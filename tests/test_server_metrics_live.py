@@ -53,7 +53,8 @@ def test_scraped_counters_match_the_requests_sent(live_vllm: LiveServer) -> None
     prompts = [[rng.randrange(3, 1000) for _ in range(100 + i)] for i in range(4)]
     with _scraper(url) as scraper:
         with ThreadPoolExecutor(len(prompts)) as pool:
-            usages = list(pool.map(lambda p: _complete(url, p, 256, salt), prompts))
+            # Long enough (about 1 s of decoding) that several 50 ms scrapes see them running.
+            usages = list(pool.map(lambda p: _complete(url, p, 800, salt), prompts))
         # The first prompt again: its 3 full blocks among the first 99 tokens are cached.
         usages.append(_complete(url, prompts[0], 4, salt))
     frame = scraper.frame()
