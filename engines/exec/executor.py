@@ -172,7 +172,8 @@ class TorchExecutor:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "decode_backend": getattr(self.decode_fn, "__name__", str(self.decode_fn)),
+            # select_decode_backend returns one of two module functions: its name is the backend.
+            "decode_backend": self.decode_fn.__name__,
             "kv_pool_shape": list(self.kv.shape),
             "host_pool_shape": list(self.host.shape),
         }
