@@ -31,7 +31,6 @@ transformers is not imported here: kvbench writes the format without depending o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -50,7 +49,7 @@ from omegaconf import OmegaConf
 
 from kvbench.config import validate_export_config
 from kvbench.model import DenseKVCache, LlamaModel, torch_dtype
-from kvbench.results import ResultsWriteError, ensure_writable_dir, foreign_dir_problem
+from kvbench.results import ResultsWriteError, ensure_writable_dir, foreign_dir_problem, install_dir
 from kvbench.smollm2 import MODEL_NAME as SMOLLM2
 from kvbench.smollm2 import cache_dir
 from kvbench.specs import ModelSpec
@@ -273,7 +272,7 @@ def _write_files(tmp: Path, model: LlamaModel, texts: dict[str, str], manifest: 
 
 def _install(tmp: Path, out: Path, key: str) -> None:
     """Move the finished ``tmp`` to ``out``: absent or empty, one rename; an older kvbench
-    export, renamed aside first (a reader may briefly find no directory, never a mix)."""
+    export, swapped in by ``kvbench.results.install_dir`` (never a mix of the two)."""
     try:
         os.replace(tmp, out)  # succeeds when out is absent or an empty directory
         return
@@ -281,15 +280,7 @@ def _install(tmp: Path, out: Path, key: str) -> None:
         if is_export_of(out, key):
             return  # a concurrent export of the same key got there first
         check_replaceable_export(out)
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    install_dir(tmp, out)  # an atomic exchange where the OS has one; the old export ends at tmp
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -252,15 +252,17 @@ def _write_atomically(
         with _writing(run_dir / RUN_FILE):
             _write_synced(tmp / RUN_FILE, record_text)  # last: the completion marker
         with _writing(run_dir):
-            _install(tmp, run_dir)
+            install_dir(tmp, run_dir)
     finally:
         # The partial run on failure; after an exchange, the replaced run.
         shutil.rmtree(tmp, ignore_errors=True)
     return run_dir
 
 
-def _install(tmp: Path, run_dir: Path) -> None:
-    """Move the finished ``tmp`` to ``run_dir``; a replaced run ends up at ``tmp``.
+def install_dir(tmp: Path, run_dir: Path) -> None:
+    """Move the finished ``tmp`` to ``run_dir``; a replaced directory ends up at ``tmp``
+    (the caller removes ``tmp`` afterwards). The caller has checked that ``run_dir`` is
+    kvbench's to replace.
 
     A process killed at any point leaves the old or the new run loadable: the exchange is
     one atomic rename; without it the old run waits under a hidden ``.old-`` name that
