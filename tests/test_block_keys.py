@@ -26,7 +26,7 @@ def test_many_prompt_keys_equal_the_engine_key_chains(block_size):
             parts.append(prompt[: num_blocks * block_size])
             firsts.append(total)
             total += num_blocks
-            expected.extend(chain.hashes)
+            expected.extend(chain.hashes.tolist())
     used_salts = [salt for prompt, salt in zip(prompts, salts) if len(prompt) // block_size]
     keys = prompt_block_keys(parts, firsts, used_salts, block_size)
     assert keys.dtype == np.uint64 and keys.tolist() == expected

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvbench.engines.kv.block_pool import BlockPool
+from kvbench.engines.kv.native import PREV
 
 
 def test_fresh_pool_hands_out_ids_in_order_and_all_are_usable():
@@ -109,7 +110,7 @@ def test_bulk_calls_stopped_midway_leave_a_consistent_pool():
 
 def test_check_detects_a_corrupted_free_list():
     pool = BlockPool(3)
-    pool._prev[1] = 2  # break the back pointer of block 1
+    pool.state[PREV, 1] = 2  # break the back pointer of block 1 (the state is writable on purpose)
     with pytest.raises(AssertionError, match="prev pointer of block 1"):
         pool.check()
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import NO_MATCH, BlockHashPrefixIndex, NullPrefixIndex, PrefixIndex
@@ -121,7 +122,7 @@ def test_hash_index_misuse():
 def test_hash_index_check_detects_a_stale_cached_flag():
     pool, index = bound(BlockHashPrefixIndex())
     pool.set_cached_many([3])
-    with pytest.raises(AssertionError, match="block 3: flagged cached but its key has no hash map entry"):
+    with pytest.raises(AssertionError, match="block 3: flagged cached but its key has no hash table entry"):
         index.check()
 
 
@@ -208,7 +209,11 @@ def test_keyed_token_ids_hash_each_block_once_and_forks_keep_the_keys(monkeypatc
     assert len(tokens.key_chain.hashes) == 3 and m.prefix_index.num_cached_blocks == 3
     chain = tokens.key_chain
     child = tokens.copy()
-    assert child == tokens and child.key_chain is not chain and child.key_chain.hashes == chain.hashes
+    assert (
+        child == tokens
+        and child.key_chain is not chain
+        and child.key_chain.hashes.tolist() == chain.hashes.tolist()
+    )
     # A second sequence with the same prompt (a plain list) attaches the three blocks.
     assert m.num_cached_tokens(list(tokens) + [99], None) == 12
     # Same chain, different salt: a new chain (salted keys never match unsalted blocks).
@@ -241,22 +246,26 @@ def test_block_keys_are_the_same_however_the_chain_grows(tokens, cuts, salt, blo
     mixed = keyed.chain(block_size, salt)
     for n in sorted(min(c, num_full) for c in cuts) + [num_full]:
         mixed.extend(keyed, n)
-    assert (whole.hashes, whole.checks) == (stepped.hashes, stepped.checks) == (mixed.hashes, mixed.checks)
+
+    def lanes(chain: BlockKeyChain) -> tuple[list[int], list[int]]:
+        return chain.hashes.tolist(), chain.checks.tolist()
+
+    assert lanes(whole) == lanes(stepped) == lanes(mixed)
     assert len(whole.hashes) == num_full
     if num_full:
         bound = prompt_block_keys([np.asarray(tokens[: num_full * block_size])], [0], [salt], block_size)
-        assert bound.tolist() == whole.hashes
+        assert bound.tolist() == whole.hashes.tolist()
     if num_full > 1:  # a chained key: changing the first token changes every later key
         changed = BlockKeyChain(block_size, salt)
         changed.extend([tokens[0] + 1] + tokens[1:], num_full)
-        assert not set(changed.hashes) & set(whole.hashes)
+        assert not set(changed.hashes.tolist()) & set(whole.hashes.tolist())
     as_numpy_ints = BlockKeyChain(block_size, salt)  # a tuple of numpy integers: same keys
     for n in range(num_full + 1):
         as_numpy_ints.extend(tuple(np.asarray(tokens, dtype=np.int64)), n)
-    assert as_numpy_ints.hashes == whole.hashes
+    assert lanes(as_numpy_ints) == lanes(whole)
     other = BlockKeyChain(block_size, "other" if salt is None else None)
     other.extend(tokens, num_full)
-    assert not set(other.hashes) & set(whole.hashes)  # salted chains never meet unsalted
+    assert not set(other.hashes.tolist()) & set(whole.hashes.tolist())  # salted chains never meet unsalted
 
 
 @settings(max_examples=80, deadline=None)
@@ -306,10 +315,11 @@ def test_hash_index_compares_the_second_lane_on_a_hash_hit():
     index.acquire(0, NO_MATCH)
     index.commit(0, [1, 2, 3, 4, 5, 6, 7, 8], blocks, None)
     # Forge a lane-0 collision: the stored lane 1 differs, so the lookup must miss.
-    (h,) = [h for h, b in index._hash_to_block.items() if b == blocks[0]]
-    index._block_check[blocks[0]] += 1
+    h = index._block_hash[blocks[0]]
+    assert native.lookup(index._keys, index._vals, h) == blocks[0]
+    index._block_check[blocks[0]] += np.uint64(1)
     assert index.match([1, 2, 3, 4, 5], None) == NO_MATCH
-    assert h in index._hash_to_block
+    assert native.lookup(index._keys, index._vals, h) == blocks[0]  # the entry stays
 
 
 # Token streams over a 2-token alphabet share prefixes often, so matches grow and shrink.
@@ -359,3 +369,43 @@ def test_memoised_match_drops_blocks_the_pool_reused():
     m.commit(1, second)
     memo, fresh = m.prefix_index.match(first, None), m.prefix_index.match(tuple(first), None)
     assert (memo.num_tokens, memo.block_ids) == (fresh.num_tokens, fresh.block_ids) == (0, ())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    # Enough distinct keys that the 64-slot table of these small pools is rebuilt often.
+    prompts=st.lists(st.lists(st.integers(3, 5), min_size=8, max_size=40), min_size=30, max_size=60),
+    num_blocks=st.integers(3, 12),
+)
+def test_compiled_hash_table_equals_a_dict_of_live_registrations(prompts, num_blocks):
+    """The compiled hash table (open addressing, dead entries left behind, rebuilt when
+    half full: many rebuilds with a pool this small) against a plain dict model of what
+    vLLM's index holds: key -> block for registered blocks, an entry dropped when the pool
+    reuses its block, the first registration of a key winning. Every sequence is
+    allocated, committed and freed in turn; every match equals the model's walk."""
+    m = PagedKVManager(num_blocks, BS, 1, BlockHashPrefixIndex())
+    index, pool = m.prefix_index, m.pool
+    model: dict[int, int] = {}  # lane 0 -> block, live registrations only
+    for seq_id, prompt in enumerate(prompts):
+        tokens = KeyedTokenIds(prompt)
+        chain = BlockKeyChain(BS, None)
+        num_full = max(len(prompt) - 1, 0) // BS
+        chain.extend(prompt, len(prompt) // BS)
+        want = 0
+        while want < num_full and model.get(int(chain.hashes[want])) is not None:
+            want += 1
+        match = index.match(tokens, None)
+        assert len(match.block_ids) == want
+        assert list(match.block_ids) == [model[int(h)] for h in chain.hashes[:want]]
+        if not m.can_allocate(seq_id, tokens, len(prompt) - match.num_tokens, None):
+            continue
+        m.allocate(seq_id, tokens, len(prompt) - match.num_tokens, None)
+        # The pool clears a block's cached flag only when it reuses the block (allocate).
+        model = {h: b for h, b in model.items() if pool.is_cached(b)}
+        table = m.block_table(seq_id)
+        for i, h in enumerate(chain.hashes.tolist()):
+            model.setdefault(h, table[i])
+        m.commit(seq_id, tokens)
+        m.free(seq_id)
+        m.check()
+        assert index.num_cached_blocks == len(model)

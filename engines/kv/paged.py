@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.prefix_cache import PrefixIndex, PrefixMatch
 from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps
@@ -166,9 +167,10 @@ class PagedKVManager(SeqTable):
         # this (1 for token-granular indexes): decode steps may skip the others.
         self.commit_interval = block_size if prefix_index.registers_full_blocks_only else 1
         self._seqs: dict[int, _Seq] = {}
-        # Per device block: block-table references from live sequences, and claimed slots.
-        self._seq_refs = [0] * num_blocks
-        self._claimed = [0] * num_blocks
+        # Per device block: block-table references from live sequences, and claimed slots
+        # (int64 arrays: the compiled loops in native.py update them for whole tables).
+        self._seq_refs = np.zeros(num_blocks, dtype=np.int64)
+        self._claimed = np.zeros(num_blocks, dtype=np.int64)
         self._num_blocks_in_use = 0  # blocks with a sequence reference
         self._num_token_slots = 0  # sum of claimed slots over blocks in use
         # Cumulative counters.
@@ -271,7 +273,7 @@ class PagedKVManager(SeqTable):
             end = offset + num_new_tokens
             if offset and end <= self.block_size:
                 last = seq.block_ids[-1]
-                claimed = self._claimed[last]
+                claimed = int(self._claimed[last])
                 if claimed <= offset or self.pool.is_exclusive(last):
                     self._num_token_slots += end - claimed  # a sole holder overwrites stale claims
                     self._claimed[last] = end
@@ -365,18 +367,11 @@ class PagedKVManager(SeqTable):
         host = seq.host_blocks
         if not host:
             # Resident (the common case): drop the table's sequence references, then the
-            # pool references in one call, both tail first.
-            tail_first = seq.block_ids[::-1]
-            seq_refs, claimed = self._seq_refs, self._claimed
-            num_released = num_slots = 0
-            for b in tail_first:
-                r = seq_refs[b] - 1
-                seq_refs[b] = r
-                if r == 0:
-                    num_released += 1
-                    num_slots += claimed[b]
-            self._num_blocks_in_use -= num_released
-            self._num_token_slots -= num_slots
+            # pool references, both tail first.
+            tail_first = np.array(seq.block_ids[::-1], dtype=np.int64)
+            num_released, num_slots = native.drop_seq_refs(self._seq_refs, self._claimed, tail_first)
+            self._num_blocks_in_use -= int(num_released)
+            self._num_token_slots -= int(num_slots)
             self.pool.free_many(tail_first)
             return
         for i in range(len(seq.block_ids) - 1, -1, -1):
@@ -625,15 +620,11 @@ class PagedKVManager(SeqTable):
             # batched: a fresh block has no sequence reference yet, so each gains its first
             # one and claims a full block's slots (the last one the rest).
             num_fresh = -(-remaining // bs)
-            fresh = self.pool.allocate_many(num_fresh)
-            claimed, seq_refs = self._claimed, self._seq_refs
-            for b in fresh:
-                claimed[b] = bs
-                seq_refs[b] = 1
-            claimed[fresh[-1]] = remaining - (num_fresh - 1) * bs
+            fresh = self.pool.allocate_array(num_fresh)
+            native.claim_fresh(self._seq_refs, self._claimed, fresh, bs, remaining - (num_fresh - 1) * bs)
             self._num_blocks_in_use += num_fresh
             self._num_token_slots += remaining
-            table.extend(fresh)
+            table.extend(fresh.tolist())
         seq.num_tokens += num_new
         return KVOps(copies=copies) if copies else NO_OPS
 
@@ -655,32 +646,27 @@ class PagedKVManager(SeqTable):
         r = self._seq_refs[b]
         if r == 0:
             self._num_blocks_in_use += 1
-            self._num_token_slots += self._claimed[b]
+            self._num_token_slots += int(self._claimed[b])
         self._seq_refs[b] = r + 1
 
     def _add_seq_refs(self, block_ids: Sequence[int]) -> None:
-        """``_add_seq_ref`` for each block, inlined (a prefix hit attaches hundreds)."""
-        seq_refs, claimed = self._seq_refs, self._claimed
-        num_new = slots = 0
-        for b in block_ids:
-            r = seq_refs[b]
-            if r == 0:
-                num_new += 1
-                slots += claimed[b]
-            seq_refs[b] = r + 1
-        self._num_blocks_in_use += num_new
-        self._num_token_slots += slots
+        """``_add_seq_ref`` for each block (a prefix hit attaches hundreds)."""
+        num_new, slots = native.add_seq_refs(
+            self._seq_refs, self._claimed, np.array(block_ids, dtype=np.int64)
+        )
+        self._num_blocks_in_use += int(num_new)
+        self._num_token_slots += int(slots)
 
     def _drop_seq_ref(self, b: int) -> None:
         r = self._seq_refs[b] - 1
         self._seq_refs[b] = r
         if r == 0:
             self._num_blocks_in_use -= 1
-            self._num_token_slots -= self._claimed[b]
+            self._num_token_slots -= int(self._claimed[b])
 
     def _set_claimed(self, b: int, num_slots: int) -> None:
         if self._seq_refs[b]:
-            self._num_token_slots += num_slots - self._claimed[b]
+            self._num_token_slots += num_slots - int(self._claimed[b])
         self._claimed[b] = num_slots
 
     def _exclusive_indexes(self, seq: _Seq) -> list[int]:
@@ -731,7 +717,7 @@ class DecodeRun:
             if offset:
                 # In place (the precondition): a sole holder overwrites stale claims.
                 last = seq.block_ids[-1]
-                slots += offset + 1 - claimed[last]
+                slots += offset + 1 - int(claimed[last])
                 claimed[last] = offset + 1
                 seq.num_tokens += 1
             else:
@@ -824,7 +810,7 @@ class DecodeRun:
             offset = before % bs
             if offset:
                 last = table[(before - 1) // bs]
-                stale += offset - claimed[last]
+                stale += offset - int(claimed[last])
                 claimed[last] = min(bs, offset + num_steps)
             for b in table[-(-before // bs) :]:
                 claimed[b] = bs

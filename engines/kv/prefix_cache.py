@@ -20,11 +20,13 @@ Who holds what (the manager and the index share one ``BlockPool``):
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
+from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.token_ids import BlockKeyChain, KeyCarrier
 
@@ -196,9 +198,10 @@ class NullPrefixIndex:
 
 
 # A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys).
-# Lane 0 keys the hash map; lane 1 is compared on a hit. The block's token ids are not
+# Lane 0 keys the hash table; lane 1 is compared on a hit. The block's token ids are not
 # kept: a 128-bit key makes a false hit as unlikely as in vLLM's hashed keys.
-_DEAD_ENTRIES_PER_BLOCK = 8  # dead hash map entries tolerated per pool block (plus 1,024)
+_SLOTS_PER_BLOCK = 4  # hash table slots per pool block (a power of two at least this)
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
 _DROP_LOG_LENGTH = 1 << 16  # dropped blocks remembered for match memos
 
 
@@ -233,16 +236,16 @@ class BlockHashPrefixIndex:
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
         self._block_size = 0
-        # Lane 0 -> block. Dropping a registration leaves its entry behind (see
-        # _on_blocks_reused): an entry h -> b is live while the pool flags b cached and
-        # _block_hash[b] == h; dead entries are purged once the map holds more than
-        # _max_entries (8 per pool block beyond the live ones, plus 1,024).
-        self._hash_to_block: dict[int, int] = {}
-        self._cached: list[bool] = []  # the pool's cached flags (read only): b is registered
-        self._block_hash: list[int] = []  # per block: its key's lane 0 while registered
-        self._block_check: list[int] = []  # per block: its key's lane 1 while registered
+        # The hash table (native.py: linear probing, lane 0 -> block). Dropping a
+        # registration leaves its entry behind (see _on_blocks_reused): an entry h -> b is
+        # live while the pool flags b cached and _block_hash[b] == h; the table is rebuilt
+        # from the live blocks when more than half its slots are used.
+        self._keys = np.zeros(0, dtype=np.uint64)  # [slots]
+        self._vals = np.zeros(0, dtype=np.int32)  # [slots] block, or native.EMPTY
+        self._used = np.zeros(1, dtype=np.int64)  # slots used (live and dead entries)
+        self._block_hash = np.zeros(0, dtype=np.uint64)  # per block: its key's lane 0 while registered
+        self._block_check = np.zeros(0, dtype=np.uint64)  # per block: its key's lane 1 while registered
         self._num_registered = 0
-        self._max_entries = 0  # hash map entries before a purge (set by bind)
         self._seqs: dict[int, _SeqHashState] = {}
         self._num_evicted_blocks = 0
         # Recently dropped blocks, for match memos: drop number _drop_log_start + i dropped
@@ -259,10 +262,11 @@ class BlockHashPrefixIndex:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self._pool = pool
         self._block_size = block_size
-        self._cached = pool.cached_flags
-        self._max_entries = (1 + _DEAD_ENTRIES_PER_BLOCK) * pool.num_blocks + 1024
-        self._block_hash = [0] * pool.num_blocks
-        self._block_check = [0] * pool.num_blocks
+        num_slots = 1 << max(_SLOTS_PER_BLOCK * max(pool.num_blocks, 16) - 1, 1).bit_length()
+        self._keys = np.zeros(num_slots, dtype=np.uint64)
+        self._vals = np.full(num_slots, native.EMPTY, dtype=np.int32)
+        self._block_hash = np.zeros(pool.num_blocks, dtype=np.uint64)
+        self._block_check = np.zeros(pool.num_blocks, dtype=np.uint64)
         pool.set_reuse_listener(self._on_blocks_reused)
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
@@ -276,16 +280,17 @@ class BlockHashPrefixIndex:
           the log no longer reaches back that far, the memo is dropped and walked again.
         - the count of unreferenced matched blocks stays valid while the pool's
           ``ref_version`` is unchanged and no matched block was dropped.
-        - only the walk past the memo is Python work: O(new blocks).
+        - only the walk past the memo reads the hash table (compiled): O(new blocks).
         """
         pool = self._bound_pool()
         bs = self._block_size
         num_full = max(len(token_ids) - 1, 0) // bs
         chain = self._chain(token_ids, extra_key)
         blocks: tuple[int, ...] = ()
+        array = _NO_BLOCKS  # blocks as int64 [len(blocks)], for the compiled counts
         num_taken: int | None = 0
         if chain.match_owner is self:
-            blocks = chain.match_blocks
+            blocks, array = chain.match_blocks, chain.match_array
             num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else None
             valid = min(len(blocks), num_full)
             if valid and self._num_drops != chain.match_num_drops:
@@ -304,42 +309,35 @@ class BlockHashPrefixIndex:
                 if index is not None:
                     for block in blocks[valid:]:
                         del index[block]
-                blocks, num_taken = blocks[:valid], None
-        lookup, cached, block_hash, block_check = (
-            self._hash_to_block,
-            self._cached,
-            self._block_hash,
-            self._block_check,
-        )
+                blocks, array, num_taken = blocks[:valid], array[:valid], None
         found: list[int] = []
         if len(blocks) < num_full:
-            if len(chain.hashes) < num_full:
-                chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
-            hashes, checks = chain.hashes, chain.checks
-            for i in range(len(blocks), num_full):
-                h = hashes[i]
-                block = lookup.get(h)
-                # A live entry (see __init__) whose key's lane 1 agrees.
-                if (
-                    block is None
-                    or not cached[block]
-                    or block_hash[block] != h
-                    or block_check[block] != checks[i]
-                ):
-                    break
-                found.append(block)
-        if found:
-            if num_taken is not None:
-                num_taken += pool.num_unreferenced(found)
-            blocks = blocks + tuple(found)
+            chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
+            run = native.lookup_run(
+                self._keys,
+                self._vals,
+                pool.state,
+                self._block_hash,
+                self._block_check,
+                chain.hashes,
+                chain.checks,
+                len(blocks),
+                num_full,
+            )
+            if len(run):
+                found = run.tolist()
+                if num_taken is not None:
+                    num_taken += pool.num_unreferenced(run)
+                blocks = blocks + tuple(found)
+                array = np.concatenate([array, run]) if len(array) else run
         if num_taken is None:
-            num_taken = pool.num_unreferenced(blocks)  # cached-free blocks revived from the free list
+            num_taken = pool.num_unreferenced(array)  # cached-free blocks revived from the free list
         if chain.match_owner is not self:
             chain.match_block_index = None
         elif found and chain.match_block_index is not None:
             start = len(blocks) - len(found)
             chain.match_block_index.update(zip(found, range(start, len(blocks))))
-        chain.match_owner, chain.match_blocks = self, blocks
+        chain.match_owner, chain.match_blocks, chain.match_array = self, blocks, array
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
         chain.match_num_drops = self._num_drops
@@ -412,30 +410,22 @@ class BlockHashPrefixIndex:
         if chain is None:
             chain = state.chain = self._chain(token_ids, extra_key)
         chain.extend(token_ids, num_full)
-        lookup, cached = self._hash_to_block, self._cached
-        block_check, block_hash = self._block_check, self._block_hash
-        hashes, checks = chain.hashes, chain.checks
-        registered = []
-        setdefault = lookup.setdefault  # one probe of the (large) map per block, not two
-        for i in range(state.num_blocks, num_full):
-            h = hashes[i]
-            block = block_ids[i]
-            old = setdefault(h, block)
-            if cached[old] and block_hash[old] == h:
-                continue  # a live entry keeps its block (a fresh block is never cached)
-            if old != block:
-                lookup[h] = block  # over a dead entry
-            block_check[block] = checks[i]
-            block_hash[block] = h
-            registered.append(block)
-        pool.set_cached_many(registered)
-        self._num_registered += len(registered)
+        first = state.num_blocks
+        new_blocks = np.array(block_ids[first:num_full], dtype=np.int64)
+        self._num_registered += native.register_run(
+            self._keys,
+            self._vals,
+            self._used,
+            pool.state,
+            pool.counts,
+            self._block_hash,
+            self._block_check,
+            chain.hashes,
+            chain.checks,
+            new_blocks,
+            first,
+        )
         state.num_blocks = num_full
-        if len(lookup) > self._max_entries:
-            # Dead entries outnumber the pool several times: rebuild from the registered
-            # blocks (C-level; O(pool) per O(pool) dead entries).
-            live = list(itertools.compress(range(pool.num_blocks), cached))
-            self._hash_to_block = dict(zip(map(block_hash.__getitem__, live), live))
         return ()
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -462,17 +452,21 @@ class BlockHashPrefixIndex:
 
     def check(self) -> None:
         pool = self._bound_pool()
-        lookup, block_hash = self._hash_to_block, self._block_hash
-        num_live = sum(1 for h, b in lookup.items() if pool.is_cached(b) and block_hash[b] == h)
+        keys, vals, block_hash = self._keys.tolist(), self._vals.tolist(), self._block_hash.tolist()
+        entries = {k: v for k, v in zip(keys, vals) if v != native.EMPTY}
+        assert len(entries) == int(self._used[0]), (
+            f"{len(entries)} hash table entries, {int(self._used[0])} counted"
+        )
+        assert 2 * len(entries) <= len(keys), f"{len(entries)} entries in {len(keys)} slots"
+        num_live = sum(1 for h, b in entries.items() if pool.is_cached(b) and block_hash[b] == h)
         for block in range(pool.num_blocks):
             if pool.is_cached(block):
-                assert lookup.get(block_hash[block]) == block, (
-                    f"block {block}: flagged cached but its key has no hash map entry for it"
+                assert native.lookup(self._keys, self._vals, self._block_hash[block]) == block, (
+                    f"block {block}: flagged cached but its key has no hash table entry for it"
                 )
         assert num_live == self._num_registered == sum(map(pool.is_cached, range(pool.num_blocks))), (
-            f"{num_live} live hash map entries, {self._num_registered} registrations counted"
+            f"{num_live} live hash table entries, {self._num_registered} registrations counted"
         )
-        assert len(lookup) <= self._max_entries, f"{len(lookup)} hash map entries"
 
     # ------------------------------------------------------------------ extras
     @property

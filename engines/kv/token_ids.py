@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.hashing import chain_start, chained_block_keys, chained_block_keys_int
+from kvbench.engines.kv import native
+from kvbench.hashing import LANE_SEEDS, LANE_STEPS, block_multipliers, chain_start
 
 # A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys,
-# shared with the prefix-reuse bound). Lane 0 keys the hash map; lane 1 is compared on a
+# shared with the prefix-reuse bound). Lane 0 keys the hash table; lane 1 is compared on a
 # hit. The block's token ids are not kept in the key (vLLM likewise trusts a hash).
-# Fewer new blocks than this are keyed in plain Python (the same values): below it, the
-# fixed cost of the numpy calls exceeds the arithmetic.
-_VECTOR_MIN_BLOCKS = 12
+_LANE_STEPS = np.array(LANE_STEPS, dtype=np.uint64)
+_LANE_SEEDS = np.array(LANE_SEEDS, dtype=np.uint64)
 
 
 class BlockKeyChain:
@@ -37,9 +37,9 @@ class BlockKeyChain:
     block size and one extra key (the cache salt): full blocks never change as the
     sequence grows, so keys are only ever appended. Block ``i``'s key is ``hashes[i]``
     (lane 0) and ``checks[i]`` (lane 1) of ``kvbench.hashing``'s chained block keys, which
-    depend on every token up to the block's end. ``extend`` keys many new blocks in a few
-    numpy calls (from the prompt's own array in an ``ArrayTokenIds``) and a few in
-    Python, with the same values: O(new blocks x block_size).
+    depend on every token up to the block's end. ``extend`` keys new blocks in one
+    compiled loop (``native.chain_keys``; from the prompt's own array in an
+    ``ArrayTokenIds``): O(new blocks x block_size).
 
     It also memoises the last match of the chain against one index (the ``match_*``
     slots): a waiting sequence is matched every step it stays blocked, and re-walking a
@@ -50,11 +50,14 @@ class BlockKeyChain:
     __slots__ = (
         "block_size",
         "extra_key",
-        "hashes",
-        "checks",
+        "num_blocks",
+        "_hashes",
+        "_checks",
         "_starts",
+        "_lanes",
         "match_owner",
         "match_blocks",
+        "match_array",
         "match_block_index",
         "match_num_taken",
         "match_ref_version",
@@ -64,11 +67,16 @@ class BlockKeyChain:
     def __init__(self, block_size: int, extra_key: str | None) -> None:
         self.block_size = block_size
         self.extra_key = extra_key
-        self.hashes: list[int] = []  # lane 0 of each full block's key: the hash map's key
-        self.checks: list[int] = []  # lane 1: compared on a hit
-        self._starts = (chain_start(extra_key, 0), chain_start(extra_key, 1))
+        self.num_blocks = 0  # full blocks keyed so far
+        # uint64 [capacity >= num_blocks], grown by doubling: lane 0 (the hash map's key)
+        # and lane 1 (compared on a hit) of each full block's key.
+        self._hashes = np.empty(0, dtype=np.uint64)
+        self._checks = np.empty(0, dtype=np.uint64)
+        self._starts = np.array([chain_start(extra_key, 0), chain_start(extra_key, 1)], dtype=np.uint64)
+        self._lanes = np.empty(2, dtype=np.uint64)  # scratch: each lane's sum before new blocks
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
+        self.match_array = np.empty(0, dtype=np.int64)  # match_blocks as int64 [len(match_blocks)]
         # match_blocks' positions by block id (built lazily, trimmed on truncation), so a
         # drop is placed in O(1): decode steps evict a waiting head's cached prefix one
         # block at a time from its tail (tables are freed tail first).
@@ -77,37 +85,51 @@ class BlockKeyChain:
         self.match_ref_version = -1  # the pool's ref_version then
         self.match_num_drops = 0  # the index's cumulative dropped registrations then
 
+    @property
+    def hashes(self) -> np.ndarray:
+        """Lane 0 of each full block's key, uint64 [num_blocks] (a view: read only)."""
+        return self._hashes[: self.num_blocks]
+
+    @property
+    def checks(self) -> np.ndarray:
+        """Lane 1 of each full block's key, uint64 [num_blocks] (a view: read only)."""
+        return self._checks[: self.num_blocks]
+
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
         """Compute keys up to block ``num_blocks - 1`` (no-op when already there). Mutates the
         chain; raises ValueError when ``token_ids`` has fewer full blocks."""
-        hashes, checks = self.hashes, self.checks
-        first = len(hashes)
+        first = self.num_blocks
         if num_blocks <= first:
             return
         bs = self.block_size
         if num_blocks * bs > len(token_ids):
             raise ValueError(f"BlockKeyChain: {num_blocks} blocks asked of {len(token_ids)} tokens")
-        a, b = (hashes[-1], checks[-1]) if first else self._starts
-        if num_blocks - first >= _VECTOR_MIN_BLOCKS:
-            ids = _id_array(token_ids, first * bs, num_blocks * bs)
-            new_a, new_b = chained_block_keys(ids.reshape(-1, bs), first, (a, b))
-            hashes.extend(new_a)
-            checks.extend(new_b)
-            return
-        # One slice for all new blocks (a TokenPrefix view slices in one call), as Python
-        # ints: numpy integers overflow in the 64-bit products.
-        ids = token_ids[first * bs : num_blocks * bs]
-        if not isinstance(token_ids, (KeyCarrier, TokenSpan)):  # a caller's list, tuple or array
-            ids = [int(t) for t in ids]
-        new_a, new_b = chained_block_keys_int(ids, bs, first, (a, b))
-        hashes.extend(new_a)
-        checks.extend(new_b)
+        if num_blocks > len(self._hashes):
+            capacity = max(num_blocks, 2 * len(self._hashes), 8)
+            self._hashes = np.concatenate([self.hashes, np.empty(capacity - first, dtype=np.uint64)])
+            self._checks = np.concatenate([self.checks, np.empty(capacity - first, dtype=np.uint64)])
+        if first:
+            self._lanes[0], self._lanes[1] = self._hashes[first - 1], self._checks[first - 1]
+        else:
+            self._lanes[:] = self._starts
+        native.chain_keys(
+            _id_array(token_ids, first * bs, num_blocks * bs),
+            block_multipliers(bs),
+            first,
+            self._lanes,
+            _LANE_STEPS,
+            _LANE_SEEDS,
+            self._hashes[first:num_blocks],
+            self._checks[first:num_blocks],
+        )
+        self.num_blocks = num_blocks
 
     def copy(self) -> BlockKeyChain:
         """An independent chain with the same keys (a fork shares every full block)."""
         chain = BlockKeyChain(self.block_size, self.extra_key)
-        chain.hashes = list(self.hashes)
-        chain.checks = list(self.checks)
+        chain._hashes = self.hashes.copy()
+        chain._checks = self.checks.copy()
+        chain.num_blocks = self.num_blocks
         return chain
 
 
@@ -120,7 +142,7 @@ def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
         tokens, offset = tokens._tokens, tokens._start
     if isinstance(tokens, ArrayTokenIds) and offset + stop <= len(tokens.array):
         return tokens.array[offset + start : offset + stop]
-    return np.asarray(token_ids[start:stop])
+    return np.asarray(token_ids[start:stop], dtype=np.int64)
 
 
 class KeyCarrier:

@@ -1,0 +1,321 @@
+"""Compiled per-block loops of the block pool and the block-hash index (numba).
+
+Why numba: simulating a trace does the same few operations on millions of blocks
+(allocate, free, register, look up), each a handful of integer reads and writes that
+cost ~50x more as Python bytecode than as machine code. numba compiles these plain
+loops over numpy arrays from a PyPI wheel (no compiler on the user's machine) and caches
+the machine code next to this file (``cache=True``), so only the first run on a machine
+pays the compilation (a few seconds). A C extension would need a compiler in every
+install; vectorising with numpy does not fit the free list's pointer chasing.
+
+Callers hold the state; these functions only read and write the arrays they are given.
+
+Pool state ``st`` int32 [5, num_blocks + 1]: rows ``REF``, ``SOFT``, ``CACHED`` (0/1),
+``NEXT``, ``PREV`` (the free list's links; column ``num_blocks`` is the sentinel).
+Pool counters ``counts`` int64 [4]: ``NUM_FREE``, ``NUM_CACHED_FREE``,
+``NUM_RECLAIMABLE``, ``REF_VERSION`` (see ``BlockPool``).
+
+Hash table: ``keys`` uint64 [cap] and ``vals`` int32 [cap] (-1: empty slot), linear
+probing, ``cap`` a power of two. An entry ``h -> b`` is *live* while the pool flags ``b``
+cached and ``block_hash[b] == h``; entries die without being touched (the pool clears
+the flag when it reuses the block) and ``register`` rebuilds the table from the live
+blocks once more than half its slots are used.
+
+Functions that can meet a bad block id return its position (>= 0) instead of raising,
+having applied the operations before it; -1 means all went through. The Python wrappers
+raise the error naming the block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+REF, SOFT, CACHED, NEXT, PREV = 0, 1, 2, 3, 4
+NUM_FREE, NUM_CACHED_FREE, NUM_RECLAIMABLE, REF_VERSION = 0, 1, 2, 3
+EMPTY = -1
+
+
+# ---------------------------------------------------------------------- block pool
+@njit(cache=True, nogil=True)
+def allocate_many(st, counts, num_blocks):  # pragma: no cover - compiled
+    """Pop ``num_blocks`` blocks from the free list's head (the caller checked there are
+    enough): ref count 1, cached flag cleared. Returns (allocated int64 [num_blocks], the
+    cached ones among them in order int64 [k])."""
+    sentinel = st.shape[1] - 1
+    out = np.empty(num_blocks, dtype=np.int64)
+    reused = np.empty(num_blocks, dtype=np.int64)
+    k = 0
+    b = st[NEXT, sentinel]
+    for i in range(num_blocks):
+        out[i] = b
+        st[REF, b] = 1
+        if st[CACHED, b]:
+            st[CACHED, b] = 0
+            reused[k] = b
+            k += 1
+        b = st[NEXT, b]
+    st[NEXT, sentinel] = b
+    st[PREV, b] = sentinel
+    counts[NUM_FREE] -= num_blocks
+    counts[NUM_CACHED_FREE] -= k
+    return out, reused[:k]
+
+
+@njit(cache=True, nogil=True)
+def incref_many(st, counts, block_ids):  # pragma: no cover - compiled
+    """One hard reference more on each block, in order; a free block leaves the free list.
+    Returns the position of the first bad id, or -1."""
+    n = st.shape[1] - 1
+    counts[REF_VERSION] += 1
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        if b < 0 or b >= n:
+            return i
+        r = st[REF, b]
+        if r == 0:
+            p = st[PREV, b]
+            nx = st[NEXT, b]
+            st[NEXT, p] = nx
+            st[PREV, nx] = p
+            counts[NUM_FREE] -= 1
+            if st[CACHED, b]:
+                counts[NUM_CACHED_FREE] -= 1
+        elif r == st[SOFT, b]:
+            counts[NUM_RECLAIMABLE] -= 1  # a hard reference pins a reclaimable block
+        st[REF, b] = r + 1
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def free_many(st, counts, block_ids):  # pragma: no cover - compiled
+    """Drop one hard reference from each block, in order; a block left with none joins the
+    free list's tail. Returns (blocks freed, position of the first block without a hard
+    reference or with a bad id, else -1)."""
+    n = st.shape[1] - 1
+    sentinel = n
+    counts[REF_VERSION] += 1
+    tail = st[PREV, sentinel]
+    num_freed = 0
+    bad = -1
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        if b < 0 or b >= n:
+            bad = i
+            break
+        r = st[REF, b] - 1
+        s = st[SOFT, b]
+        if r < s:
+            bad = i
+            break
+        st[REF, b] = r
+        if r == 0:
+            st[NEXT, tail] = b
+            st[PREV, b] = tail
+            tail = b
+            num_freed += 1
+            if st[CACHED, b]:
+                counts[NUM_CACHED_FREE] += 1
+        elif r == s:
+            counts[NUM_RECLAIMABLE] += 1
+    st[NEXT, tail] = sentinel
+    st[PREV, sentinel] = tail
+    counts[NUM_FREE] += num_freed
+    return num_freed, bad
+
+
+@njit(cache=True, nogil=True)
+def num_unreferenced(st, block_ids):  # pragma: no cover - compiled
+    """(How many of ``block_ids`` have ref count 0, position of the first bad id or -1)."""
+    n = st.shape[1] - 1
+    count = 0
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        if b < 0 or b >= n:
+            return count, i
+        if st[REF, b] == 0:
+            count += 1
+    return count, -1
+
+
+@njit(cache=True, nogil=True)
+def set_cached(st, counts, block_ids):  # pragma: no cover - compiled
+    """Flag each block as holding reusable KV (a free one counts as cached-free). Returns
+    the position of the first bad id, or -1."""
+    n = st.shape[1] - 1
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        if b < 0 or b >= n:
+            return i
+        if not st[CACHED, b]:
+            st[CACHED, b] = 1
+            if st[REF, b] == 0:
+                counts[NUM_CACHED_FREE] += 1
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def free_list_head(st, limit):  # pragma: no cover - compiled
+    """The first ``limit`` blocks of the free list (fewer when it is shorter), head first."""
+    sentinel = st.shape[1] - 1
+    out = np.empty(limit, dtype=np.int64)
+    k = 0
+    b = st[NEXT, sentinel]
+    while k < limit and b != sentinel:
+        out[k] = b
+        k += 1
+        b = st[NEXT, b]
+    return out[:k]
+
+
+# ---------------------------------------------------------------------- hash index
+@njit(cache=True, nogil=True)
+def _slot(keys, vals, h):  # pragma: no cover - compiled
+    """The slot holding key ``h``, or the empty slot where it would go."""
+    mask = keys.shape[0] - 1
+    i = np.int64(h & np.uint64(mask))
+    while vals[i] != EMPTY and keys[i] != h:
+        i = (i + 1) & mask
+    return i
+
+
+@njit(cache=True, nogil=True)
+def lookup_run(keys, vals, st, block_hash, block_check, hashes, checks, start, stop):  # pragma: no cover
+    """Blocks registered under keys ``start ..`` of a chain, up to the first that is not
+    (or ``stop``): int64 [k]."""
+    out = np.empty(max(stop - start, 0), dtype=np.int64)
+    k = 0
+    for j in range(start, stop):
+        h = hashes[j]
+        b = vals[_slot(keys, vals, h)]
+        if b == EMPTY or not st[CACHED, b] or block_hash[b] != h or block_check[b] != checks[j]:
+            break
+        out[k] = b
+        k += 1
+    return out[:k]
+
+
+@njit(cache=True, nogil=True)
+def register_run(keys, vals, used, st, counts, block_hash, block_check, hashes, checks, block_ids, start):
+    """Register block ``block_ids[j - start]`` under key ``j`` for ``j`` in ``start ..
+    start + len(block_ids)``, unless a live entry already holds the key (the first
+    registration wins), then flag the registered blocks cached. ``used`` int64 [1] counts
+    the table's used slots; the table is rebuilt from the live blocks when they pass half
+    its size. Returns how many blocks were registered."""  # pragma: no cover - compiled
+    registered = np.empty(block_ids.shape[0], dtype=np.int64)
+    k = 0
+    for j in range(block_ids.shape[0]):
+        h = hashes[start + j]
+        b = block_ids[j]
+        i = _slot(keys, vals, h)
+        old = vals[i]
+        if old == EMPTY:
+            keys[i] = h
+            used[0] += 1
+        elif st[CACHED, old] and block_hash[old] == h:
+            continue  # a live entry keeps its block (a fresh block is never cached)
+        vals[i] = b
+        block_check[b] = checks[start + j]
+        block_hash[b] = h
+        registered[k] = b
+        k += 1
+    # Flags after the loop: a block registered above never counts as a live holder of a
+    # later key in the same run.
+    set_cached(st, counts, registered[:k])
+    if 2 * used[0] > keys.shape[0]:
+        rebuild(keys, vals, used, st, block_hash)
+    return k
+
+
+@njit(cache=True, nogil=True)
+def rebuild(keys, vals, used, st, block_hash):  # pragma: no cover - compiled
+    """Drop every dead entry: the table then holds exactly the live blocks' keys."""
+    vals[:] = EMPTY
+    used[0] = 0
+    for b in range(st.shape[1] - 1):
+        if st[CACHED, b]:
+            i = _slot(keys, vals, block_hash[b])
+            keys[i] = block_hash[b]
+            vals[i] = b
+            used[0] += 1
+
+
+@njit(cache=True, nogil=True)
+def lookup(keys, vals, h):  # pragma: no cover - compiled
+    """The block of key ``h``'s entry (live or dead), or -1."""
+    return vals[_slot(keys, vals, h)]
+
+
+# ---------------------------------------------------------------------- KV manager
+@njit(cache=True, nogil=True)
+def add_seq_refs(seq_refs, claimed, block_ids):  # pragma: no cover - compiled
+    """One block-table reference more on each block. Returns (blocks that gained their
+    first one, the claimed slots of those blocks)."""
+    num_new = 0
+    slots = 0
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        r = seq_refs[b]
+        if r == 0:
+            num_new += 1
+            slots += claimed[b]
+        seq_refs[b] = r + 1
+    return num_new, slots
+
+
+@njit(cache=True, nogil=True)
+def drop_seq_refs(seq_refs, claimed, block_ids):  # pragma: no cover - compiled
+    """One block-table reference less on each block (the caller holds them). Returns
+    (blocks left with none, the claimed slots of those blocks)."""
+    num_released = 0
+    slots = 0
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        r = seq_refs[b] - 1
+        seq_refs[b] = r
+        if r == 0:
+            num_released += 1
+            slots += claimed[b]
+    return num_released, slots
+
+
+@njit(cache=True, nogil=True)
+def claim_fresh(seq_refs, claimed, block_ids, block_size, last_slots):  # pragma: no cover - compiled
+    """Fresh blocks joining one table: each gets its first block-table reference and a
+    full block's claimed slots, the last one ``last_slots``."""
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        claimed[b] = block_size
+        seq_refs[b] = 1
+    claimed[block_ids[block_ids.shape[0] - 1]] = last_slots
+
+
+# ---------------------------------------------------------------------- block keys
+@njit(cache=True, nogil=True)
+def _mix64(x):  # pragma: no cover - compiled
+    """``kvbench.hashing.mix64`` of one uint64 (SplitMix64's finaliser, wrapping)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@njit(cache=True, nogil=True)
+def chain_keys(tokens, multipliers, first_position, starts, steps, seeds, out_a, out_b):  # pragma: no cover
+    """``kvbench.hashing``'s chained block keys of consecutive whole blocks, both lanes:
+    ``tokens`` int [blocks * block_size] are blocks ``first_position ..``; ``starts``,
+    ``steps``, ``seeds`` uint64 [2] are each lane's key sum before them, LANE_STEPS and
+    LANE_SEEDS. Writes keys into ``out_a`` / ``out_b`` [blocks] (the same values as
+    ``chained_block_keys``, bit for bit; tests/test_prefix_cache.py compares them)."""
+    bs = multipliers.shape[0]
+    a = starts[0]
+    b = starts[1]
+    for j in range(out_a.shape[0]):
+        c = np.uint64(0)
+        base = j * bs
+        for k in range(bs):
+            c += np.uint64(tokens[base + k]) * multipliers[k]
+        position = np.uint64(first_position + j)
+        a += _mix64(c + position * steps[0] + seeds[0])
+        b += _mix64(c + position * steps[1] + seeds[1])
+        out_a[j] = a
+        out_b[j] = b
