@@ -248,3 +248,46 @@ def test_vectorised_stand_in_tokens_equal_the_scalar_draw():
         [stand_in_token(b, s, p + k, 128256) for k in range(6)] for b, s, p in zip(bases, samples, firsts)
     ]
     assert got.tolist() == want
+
+
+class RecordingEngine(CountingEngine):
+    """Also keeps what each multi-step output carried besides its decode run."""
+
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.covered_with = {"finished": 0, "first_scheduled": 0, "tokens": 0}
+
+    def step(self):  # type: ignore[override]
+        output = super().step()
+        if output.covered_steps is not None:
+            for kind in self.covered_with:
+                self.covered_with[kind] += bool(getattr(output, kind))
+        return output
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_runs_cover_finishing_and_admitting_steps(ignore_eos):
+    # Staggered lengths and arrivals: nearly every step finishes or admits a request. The
+    # step producing a sequence's last token ends a run inside it, and a run's first step
+    # may admit the waiting head (its prefill chunk and first token ride along).
+    spec = SPEC if ignore_eos else dataclasses.replace(SPEC, vocab_size=40, eos_token_id=7)
+    workload = random_requests(
+        40,
+        {"kind": "uniform", "low": 5, "high": 120},
+        {"kind": "uniform", "low": 1, "high": 60},
+        {"kind": "poisson", "rate_per_s": 40.0},
+        vocab_size=spec.vocab_size,
+        seed=11,
+    )
+    workload = Workload(
+        workload.name, tuple(dataclasses.replace(r, ignore_eos=ignore_eos) for r in workload.requests)
+    )
+    params = {"num_blocks": 96, "max_num_seqs": 12, "max_num_batched_tokens": 96}
+    covered = assert_identical(workload, min_covered_share=0.3, spec=spec, **params)
+    ctx = EngineContext(spec, SLOW, None, "cpu", "fp32", 0, "sim")
+    engine = RecordingEngine(ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), **params)
+    raw = replay(engine, workload, SimClock())
+    assert 1 - engine.num_calls / raw.num_steps == covered
+    assert engine.covered_with["finished"] > 10, engine.covered_with
+    assert engine.covered_with["first_scheduled"] > 10, engine.covered_with
+    assert engine.covered_with["tokens"] > 10, engine.covered_with  # admitted groups' first tokens

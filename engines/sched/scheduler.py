@@ -337,8 +337,12 @@ class Scheduler:
         self._budget = self.config.max_num_batched_tokens
         self._num_preemptions = 0
 
-    def _finish_plan(self) -> SchedulerOutput:
-        """The rest of ``schedule`` once running groups have their tokens: swap-in, admission."""
+    def _finish_plan(self, first_piece: int = 0) -> SchedulerOutput:
+        """The rest of ``schedule`` once running groups have their tokens: swap-in, admission.
+
+        Pieces before ``first_piece`` (a decode run's batch, see ``admit_after_decodes``)
+        are planned but left out of the output and of ``complete_step``: their caller
+        completes them."""
         first_scheduled: list[str] = []
         rejected, self._pending_rejections = self._pending_rejections, []
         if self._num_preemptions == 0:
@@ -351,7 +355,7 @@ class Scheduler:
         if not self._pieces and not self.running:
             rejected.extend(self._reject_stuck_head())
 
-        chunks, num_prefill, num_decode, num_recomputed = self._finalize_pieces()
+        chunks, num_prefill, num_decode, num_recomputed = self._finalize_pieces(first_piece)
         return SchedulerOutput(
             chunks=chunks,
             kv_ops=tuple(self._ops),
@@ -416,20 +420,43 @@ class Scheduler:
         the next ``schedule`` call and returns False. Mutates the KV manager (appends) and,
         on False, whatever admission does.
         """
+        plan = self._plan_after_decodes(pairs, run, 0)
+        if plan is None:
+            return True
+        self._prepared = plan
+        return False
+
+    def admit_after_decodes(
+        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun
+    ) -> SchedulerOutput | None:
+        """``append_decodes`` for a step whose decode tokens the caller completes itself
+        (``complete_decodes``, ``finish_decodes``): None for a plain decode step; otherwise
+        the plan of the step's other work (swap-in and admission, as ``schedule`` plans it
+        after these decodes), whose chunks, counts and ``complete_step`` targets leave out
+        the batch. Complete it with ``complete_decodes`` then ``complete_step``, the order
+        in which ``complete_step`` commits a whole step. Mutates what ``append_decodes`` does."""
+        return self._plan_after_decodes(pairs, run, len(pairs))
+
+    def _plan_after_decodes(
+        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, first_piece: int
+    ) -> SchedulerOutput | None:
+        """Reserve the batch's decode slots through ``run``; None when no waiting group could
+        start in the step, else the step's plan (``_finish_plan(first_piece)``)."""
         run.advance()
         budget = self.config.max_num_batched_tokens - len(pairs)
         if not self._head_may_start(budget):
-            return True
+            return None
         self._begin_plan()
+        # The batch's pieces stay planned: admission reads whether any piece is planned.
         self._pieces = [_Piece(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
         self._budget = budget
-        self._prepared = self._finish_plan()
-        return False
+        return self._finish_plan(first_piece)
 
     def complete_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], token_ids: Sequence[int]) -> None:
         """Finish a plain decode step: what ``complete_step`` and ``append_token`` do for
-        these decode chunks; ``token_ids[i]`` is the token sampled for ``pairs[i]``. The
-        caller guarantees no sequence finishes with it. Peaks wait for ``finish_decodes``.
+        these decode chunks; ``token_ids[i]`` is the token sampled for ``pairs[i]``. A
+        sequence this token finishes retires in ``finish_decodes`` (the run's last step),
+        as do peaks.
         Mutates the sequences and the prefix index (commit)."""
         kv = self.kv
         interval = kv.commit_interval
@@ -494,13 +521,30 @@ class Scheduler:
         for seq, num_tokens in commits:
             kv.commit(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens))
 
-    def finish_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]]) -> None:
+    def finish_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], retire: bool) -> None:
         """End a decode run: the peak KV slots of its groups, which only grew during it (no
-        slot is freed in a run), so one update at the end equals one per step. Mutates
-        the groups' peak counters."""
-        groups = {id(group): group for group, _ in pairs}
-        for group in groups.values():
+        slot is freed in a run), so one update at the end equals one per step. With
+        ``retire`` (the run's last step gave some sequence its last token), then retire
+        every sequence that is done, in pair order, as ``append_token`` does after a
+        normal step (``pop_finished`` reports their requests). Mutates the groups' peak
+        counters and, on retirement, the queues and the KV manager (frees)."""
+        shared: dict[int, SequenceGroup] = {}
+        for group, seq in pairs:
+            if len(group.seqs) == 1:
+                # One sequence: it holds exactly its computed tokens' slots (_update_peaks).
+                slots = seq.num_computed_tokens
+                if slots > group.peak_kv_slots:
+                    group.peak_kv_slots = slots
+                if slots > group.peak_kv_slots_unshared:
+                    group.peak_kv_slots_unshared = slots
+            else:
+                shared[id(group)] = group
+        for group in shared.values():
             self._update_peaks(group)
+        if retire:
+            for group, seq in pairs:
+                if group.is_finished_token(seq):
+                    self._finish_seq(group, seq)
 
     def _head_may_start(self, budget: int) -> bool:
         """Whether ``_admit_waiting`` with ``budget`` tokens left could admit the head (or
@@ -932,12 +976,15 @@ class Scheduler:
             self._seqs.pop(seq.seq_id, None)
         group.status = GroupStatus.FINISHED
 
-    def _finalize_pieces(self) -> tuple[tuple[ScheduledChunk, ...], int, int, int]:
+    def _finalize_pieces(self, first_piece: int = 0) -> tuple[tuple[ScheduledChunk, ...], int, int, int]:
+        """Chunks, prefill / decode / recomputed token counts and peaks of the planned
+        pieces from ``first_piece`` on; they become ``complete_step``'s pieces."""
         kv = self.kv
         chunks = []
         num_prefill = num_decode = num_recomputed = 0
         touched: dict[int, SequenceGroup] = {}
-        for piece in self._pieces:
+        pieces = self._pieces[first_piece:] if first_piece else self._pieces
+        for piece in pieces:
             seq, start, num_tokens = piece.seq, piece.start, piece.num_tokens
             end = start + num_tokens
             seq_len = len(seq.token_ids)
@@ -971,7 +1018,7 @@ class Scheduler:
                 touched[id(group)] = group
         for group in touched.values():
             self._update_peaks(group)
-        self._last_pieces = self._pieces
+        self._last_pieces = pieces
         return tuple(chunks), num_prefill, num_decode, num_recomputed
 
     # ------------------------------------------------------------------ after the forward

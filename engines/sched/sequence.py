@@ -124,10 +124,15 @@ class SequenceGroup:
         "eos_token_id",
         "num_detached",
         "num_samples",
+        "request_id",
+        "is_beam",
     )
 
     def __init__(self, request: Request, arrival_index: int, first_seq_id: int, eos_token_id: int) -> None:
         self.request = request
+        # Read once per sequence per step: plain attributes of the (immutable) request's.
+        self.request_id = request.request_id
+        self.is_beam = request.beam_width > 1
         self.num_samples = num_samples(request)  # sequences it runs at most at once
         self.eos_token_id = eos_token_id
         self.arrival_index = arrival_index
@@ -154,14 +159,6 @@ class SequenceGroup:
         # fork its blocks once it has recomputed their common prefix (the scheduler's
         # "attach"), so the samples share the prompt again instead of each recomputing it.
         self.num_detached = 0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def is_beam(self) -> bool:
-        return self.request.beam_width > 1
 
     @property
     def is_done(self) -> bool:

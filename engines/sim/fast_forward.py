@@ -6,6 +6,7 @@ calls ``run`` when the runner has told it when the next request arrives. Everyth
 run does goes through declared calls:
 
 - the scheduler's decode-run interface (``Scheduler.decode_batch``, ``append_decodes``,
+  ``admit_after_decodes`` / ``complete_step`` (a run's first step that admits),
   ``quiet_decode_steps``, ``complete_decodes`` / ``complete_decodes_many`` /
   ``commit_decodes``, ``finish_decodes``),
 - the KV manager's ``DecodeRunKV`` contract (``engines/kv/protocol.py``) and its
@@ -20,7 +21,9 @@ recorded steps exactly as stepping one iteration per call would (``fast_forward=
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import operator
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -28,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.kv.protocol import DecodeRunKV
-from kvbench.engines.sched.scheduler import Scheduler
+from kvbench.engines.sched.scheduler import Scheduler, SchedulerOutput
+from kvbench.engines.sched.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.stand_in import StandInTokens, stand_in_tokens
 from kvbench.sim.cost_model import StepShape
@@ -155,9 +159,11 @@ class FastForward:
         """Take consecutive plain decode steps in one call.
 
         A run continues while the batch stays the same: every running sequence decodes
-        one token, none finishes, no block is copied or swapped, the pool has the blocks
-        the step needs (no preemption), the head of the waiting queue still cannot start,
-        and the step starts before ``next_arrival_s``. Each step updates the scheduler, KV
+        one token, no block is copied or swapped, the pool has the blocks the step needs
+        (no preemption), the head of the waiting queue still cannot start, and the step
+        starts before ``next_arrival_s``. The first step in which a sequence produces its
+        last token (its length limit or EOS) is the run's last: those sequences retire
+        after it, in batch order, as ``StandInTokens.advance`` retires them. Each step updates the scheduler, KV
         manager and prefix index exactly as a single ``step`` would, without planning
         chunks or modeling each step separately: step times come from cost-model calls
         over windows of steps, stand-in tokens and the first EOS from vectorised draws,
@@ -173,27 +179,30 @@ class FastForward:
         if pairs is None:
             return None
         tokens_of = self.tokens
-        # Steps before the first finish: the step producing a sequence's last token ends it.
-        max_steps = MAX_DECODE_RUN_STEPS
-        seq_bases, samples, positions, check_eos = [], [], [], []
-        for group, seq in pairs:
-            request = group.request
-            max_steps = min(max_steps, request.max_new_tokens - seq.num_output_tokens - 1)
-            seq_bases.append(tokens_of.base(request.request_id))
-            samples.append(seq.sample_index)
-            positions.append(seq.num_output_tokens)
-            check_eos.append(not request.ignore_eos)
-        if max_steps <= 0:
-            return None
+        # Steps up to the first finish by length: the step producing a sequence's last
+        # token (step ``max_new_tokens - num_output_tokens``, counting from 1) ends the run.
+        # One comprehension per column: the batch is rebuilt for every run.
+        requests = [group.request for group, _ in pairs]
+        seqs = [seq for _, seq in pairs]
+        lengths = [len(seq.token_ids) for seq in seqs]
+        positions = [length - seq.num_prompt_tokens for length, seq in zip(lengths, seqs)]  # outputs so far
+        finish_step = min(
+            MAX_DECODE_RUN_STEPS + 1, min(map(operator.sub, [r.max_new_tokens for r in requests], positions))
+        )
+        base = tokens_of.base
+        seq_bases = [base(request.request_id) for request in requests]
+        samples = [seq.sample_index for seq in seqs]
+        check_eos = [not request.ignore_eos for request in requests]
+        max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
-        context = sum(len(seq.token_ids) for _, seq in pairs)
+        context = sum(lengths)
         num_seqs = len(pairs)
         vocab, eos = tokens_of.vocab_size, self.eos_token_id
         eos_rows = np.asarray(check_eos) if any(check_eos) else None
         kv = self.kv
-        run = kv.decode_run([seq.seq_id for _, seq in pairs])
+        run = kv.decode_run([seq.seq_id for seq in seqs])
         log = RunLog(
-            [group.request_id for group, _ in pairs],
+            [request.request_id for request in requests],
             samples,
             context,
             (len(scheduler.waiting), len(scheduler.swapped)),
@@ -211,10 +220,11 @@ class FastForward:
             tokens = stand_in_tokens(seq_bases, samples, [p + offset for p in positions], size, vocab)
             limit = size
             if eos_rows is not None:
-                # The step in which some sequence samples EOS finishes it: a normal step.
+                # The step in which some sequence samples EOS finishes it: the run's last.
                 eos_hits = (tokens[eos_rows] == eos).any(axis=0)
                 if eos_hits.any():
-                    limit = int(eos_hits.argmax())
+                    limit = int(eos_hits.argmax()) + 1
+                    finish_step = min(finish_step, offset + limit)
                     ended = True
             index = 0
             while index < limit:
@@ -246,7 +256,14 @@ class FastForward:
                     ended = True  # a preemption: a normal step
                     break
                 counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
-                if not scheduler.append_decodes(pairs, run):
+                if offset == 0:
+                    # The run's first step: one that admits a waiting group is taken here.
+                    plan = scheduler.admit_after_decodes(pairs, run)
+                    if plan is not None:
+                        return self._admission_step(
+                            pairs, plan, counters0, tokens[:, 0].tolist(), context, samples, finish_step == 1
+                        )
+                elif not scheduler.append_decodes(pairs, run):
                     # A waiting group starts in this step: the scheduler keeps its plan for
                     # the next normal step, whose stats count from here.
                     self.prepared_counters = counters0
@@ -259,7 +276,11 @@ class FastForward:
                 index += 1
                 offset += 1
                 start_s += duration_s
-        scheduler.finish_decodes(pairs)
+        # Sequences finish only in the run's last step (``finish_step``), once it is taken.
+        scheduler.finish_decodes(pairs, retire=offset == finish_step)
+        finished = scheduler.pop_finished()
+        for done in finished:
+            tokens_of.forget(done.request_id)
         covered = log.finish(kv, self.stats)
         if covered is None:
             return None
@@ -267,9 +288,74 @@ class FastForward:
         return StepOutput(
             tokens=(),
             first_scheduled=(),
-            finished=(),
+            finished=tuple(finished),
             rejected=(),
             stats=covered.template,
             modeled_duration_s=math.fsum(covered.durations_s),
+            covered_steps=covered,
+        )
+
+    def _admission_step(
+        self,
+        pairs: list[tuple[SequenceGroup, Sequence]],
+        plan: SchedulerOutput,
+        counters0: tuple[int, int, int],
+        step_tokens: list[int],
+        context: int,
+        samples: list[int],
+        retire: bool,
+    ) -> StepOutput:
+        """Take a step in which the decode batch ``pairs`` (slots reserved) runs next to
+        ``plan``, the admission ``Scheduler.admit_after_decodes`` planned, in the order a
+        normal step completes it: the batch's commits and tokens (``step_tokens``, one per
+        pair), the plan's chunks, the KV usage as executed, then the batch's finished
+        sequences, then the plan's sampled tokens. ``context``: the batch's decode context
+        (its sequences' lengths, the token decoded included); ``retire``: whether a token of the batch finishes a sequence.
+        Returns the step as one covered step (the batch's tokens) with the plan's token
+        events. Mutates the scheduler, KV manager, executor totals and stand-in keys."""
+        scheduler, kv = self.scheduler, self.kv
+        # A plan after a decode batch only admits: nothing is swapped, nothing preempted.
+        assert not plan.num_preemptions and all(not op.swap_in and not op.swap_out for op in plan.kv_ops)
+        num_seqs = len(pairs)
+        shape = dataclasses.replace(
+            plan.shape,
+            num_decode_seqs=plan.shape.num_decode_seqs + num_seqs,
+            num_decode_context_tokens=plan.shape.num_decode_context_tokens + context,
+        )
+        duration_s = self.executor.cost_model.duration_s(shape)
+        scheduler.complete_decodes(pairs, step_tokens)
+        targets = scheduler.complete_step()
+        usage = kv.usage()
+        num_running = sum(len(group.seqs) for group in scheduler.running)
+        scheduler.finish_decodes(pairs, retire=retire)
+        events = self.tokens.advance(scheduler, targets) if targets else []
+        finished = scheduler.pop_finished()
+        for done in finished:
+            self.tokens.forget(done.request_id)
+        stats = self.stats(
+            counters0,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens + num_seqs,
+            shape=shape,
+            num_recomputed_tokens=plan.num_recomputed_tokens,
+            usage=usage,
+            num_running=num_running,
+        )
+        covered = CoveredSteps(
+            durations_s=(duration_s,),
+            template=stats,
+            columns={},
+            request_ids=tuple([group.request_id for group, _ in pairs]),
+            sample_indexes=tuple(samples),
+            token_ids=tuple(zip(step_tokens)),
+        )
+        self.executor.record_steps(covered.durations_s)
+        return StepOutput(
+            tokens=tuple(events),
+            first_scheduled=plan.first_scheduled,
+            finished=tuple(finished),
+            rejected=plan.rejected,
+            stats=stats,
+            modeled_duration_s=duration_s,
             covered_steps=covered,
         )
