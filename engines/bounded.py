@@ -9,6 +9,10 @@ Budget context. A ratio budget is a share of the context the driver knows when t
 sequence starts: in the engine, the tokens at admission (the prompt; H2O sizes its
 10 % + 10 % the same way), in the harness, ``max_len`` (the whole scored text, since
 the harness feeds a 1-token prompt and then the text token by token).
+
+Simulation imports no torch: the bounded executor and the harness backend (exec/bounded.py)
+are imported by ``bounded_executor`` and ``sequence_backend_factory``, which only real mode
+calls.
 """
 
 from __future__ import annotations
@@ -16,17 +20,54 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbench.engines.config import DEFAULTS, EngineConfig, size_pool
-from kvbench.engines.exec.bounded import BoundedExecutor, BoundedSequenceBackend
-from kvbench.engines.exec.executor import Executor
+from kvbench.engines.exec.protocol import Executor
 from kvbench.engines.kv.bounded import BoundedKVManager
 from kvbench.engines.kv.eviction import EvictedTier, EvictionPolicy, TransferCounters
 from kvbench.engines.paged import PagedEngine
-from kvbench.model import LlamaModel, torch_dtype
 from kvbench.sizing import kv_bytes_per_token
 from kvbench.types import EngineContext, RejectedRequest, Request, StepOutput
+
+if TYPE_CHECKING:
+    from kvbench.engines.exec.bounded import BoundedExecutor, BoundedSequenceBackend
+    from kvbench.model import LlamaModel
+
+
+def bounded_executor(
+    model: LlamaModel,
+    ctx: EngineContext,
+    kv: BoundedKVManager,
+    tier: EvictedTier,
+    *,
+    num_blocks: int,
+    block_size: int,
+    num_host_blocks: int,
+) -> BoundedExecutor:
+    """Real mode's executor of a bounded engine: ``model`` over a torch pool of
+    ``num_blocks`` blocks with ``kv``'s per-sequence slots and ``tier``'s stores. Imports
+    torch and the model here, so simulation, which never calls this, never loads them.
+    Raises ValueError naming ``run.kv_dtype`` when torch cannot store it."""
+    from kvbench.engines.exec.bounded import BoundedExecutor
+    from kvbench.model import torch_dtype
+
+    try:
+        torch_dtype(ctx.kv_dtype)
+    except ValueError:
+        raise ValueError(
+            f"run.kv_dtype: {ctx.kv_dtype!r} cannot be stored (use fp32, bf16 or fp16)"
+        ) from None
+    return BoundedExecutor(
+        model,
+        kv,
+        tier,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_host_blocks=num_host_blocks,
+        device=ctx.device,
+        kv_dtype=ctx.kv_dtype,
+    )
 
 
 class BoundedCacheEngine:
@@ -79,26 +120,22 @@ class BoundedCacheEngine:
             num_host_blocks,
             tier.keeps_evicted_kv,
         )
+        # The torch executor this engine built (real mode): its transfer counters and
+        # released-sequence cleanup; None with a given executor or the cost model.
+        self._bounded: BoundedExecutor | None = None
         if executor is None:
             if ctx.model is None:
                 raise ValueError(
                     f"engine.{name}: ctx.model is None (simulation mode) and no executor was given"
                 )
-            try:
-                torch_dtype(ctx.kv_dtype)
-            except ValueError:
-                raise ValueError(
-                    f"run.kv_dtype: {ctx.kv_dtype!r} cannot be stored (use fp32, bf16 or fp16)"
-                ) from None
-            executor = BoundedExecutor(
+            executor = self._bounded = bounded_executor(
                 ctx.model,
+                ctx,
                 self.kv,
                 tier,
                 num_blocks=num_blocks,
                 block_size=config.block_size,
                 num_host_blocks=num_host_blocks,
-                device=ctx.device,
-                kv_dtype=ctx.kv_dtype,
             )
         self.executor = executor
         self.paged = PagedEngine.assemble(
@@ -135,8 +172,8 @@ class BoundedCacheEngine:
         evicted0 = kv.num_evicted_tokens
         counters0 = self._counters().snapshot()
         out = self.paged.step()
-        if isinstance(self.executor, BoundedExecutor):
-            self.executor.drop_released()  # finished this step: free their host stores now
+        if self._bounded is not None:
+            self._bounded.drop_released()  # finished this step: free their host stores now
         counters = self._counters()
         evicted = kv.num_evicted_tokens - evicted0
         evicted_bytes = evicted * self.bytes_per_token if kv.keeps_evicted_kv else 0
@@ -211,11 +248,12 @@ class BoundedCacheEngine:
     # ------------------------------------------------------------------ quality harness
     def sequence_backend_factory(self) -> Callable[[LlamaModel, int], BoundedSequenceBackend]:
         """``(model, max_len) -> SequenceBackend`` with this engine's policy and tier, for
-        ``kvbench.quality.evaluate_quality``."""
+        ``kvbench.quality.evaluate_quality`` (real mode: imports the torch backend here)."""
+        from kvbench.engines.exec.bounded import BoundedSequenceBackend
+
         return functools.partial(BoundedSequenceBackend, policy=self.policy, tier=self.tier)
 
     def _counters(self) -> TransferCounters:
         """The evicted tier's transfer counters: the bounded executor's; none (zeros) for
         the cost model, which moves no tensors."""
-        executor = self.executor
-        return executor.counters if isinstance(executor, BoundedExecutor) else TransferCounters()
+        return self._bounded.counters if self._bounded is not None else TransferCounters()

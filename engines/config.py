@@ -31,7 +31,7 @@ from kvbench.sizing import DEFAULT_ACTIVATION_RESERVE_BYTES, DEFAULT_BLOCK_SIZE,
 from kvbench.types import EngineContext
 
 if TYPE_CHECKING:
-    from kvbench.engines.exec.executor import Executor
+    from kvbench.engines.exec.protocol import Executor
 
 DECODE_BACKENDS = ("auto", "torch", "triton")
 # engine.prefix_cache: the prefix index each value builds (a fresh one per manager).

@@ -20,18 +20,18 @@ manager (engines/kv), the scheduler (engines/sched), an executor (engines/exec o
 cost model of engines/sim) and, in simulation, the fast path (engines/sim/fast_forward.py).
 The slab and bounded engines assemble the same parts around their own managers
 (``PagedEngine.assemble``).
+
+Simulation imports no torch: the torch executor and the sampler (engines/exec) are
+imported by the builders only real mode calls (``torch_executor``, ``PagedEngine._sampling``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvbench.engines.config import DEFAULTS, PREFIX_INDEXES, EngineConfig, size_pool
-from kvbench.engines.exec.executor import ExecutionResult, Executor, TorchExecutor
-from kvbench.engines.exec.sampler import SampleKey, Sampler, log_softmax
+from kvbench.engines.exec.protocol import ExecutionResult, Executor
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.protocol import KVManager
 from kvbench.engines.sched.scheduler import Scheduler, SchedulerOutput
@@ -43,37 +43,37 @@ from kvbench.sim.cost_model import StepShape
 from kvbench.sizing import kv_bytes_per_block, kv_bytes_per_token
 from kvbench.types import EngineContext, KVUsage, Request, StepOutput, StepStats, TokenEvent
 
+if TYPE_CHECKING:
+    from kvbench.engines.exec.executor import TorchExecutor
+    from kvbench.engines.exec.sampler import LogitsTokens
+    from kvbench.model import LlamaModel
 
-def rank_beam_candidates(
-    logprobs: torch.Tensor, cum_logprobs: list[float], beam_width: int, eos_token_id: int | None
-) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]]]:
-    """Best continuations of a beam step.
 
-    logprobs: fp32 [num_beams, vocab]; cum_logprobs: each beam's score so far. Scores add
-    in float64. Candidates are ranked by score, ties by (beam, token). Returns ``chosen``:
-    the first ``beam_width`` non-EOS candidates (beam, token, score), best first, and
-    ``finished``: EOS candidates ranked within the top ``beam_width`` (only when
-    ``eos_token_id`` is not None, i.e. EOS is not ignored). Mutates nothing.
-    """
-    num_beams, vocab = logprobs.shape
-    scores = (
-        logprobs.double() + torch.tensor(cum_logprobs, dtype=torch.float64, device=logprobs.device)[:, None]
+def torch_executor(
+    model: LlamaModel, ctx: EngineContext, config: EngineConfig, num_blocks: int, num_host_blocks: int
+) -> TorchExecutor:
+    """Real mode's executor for a pool of ``num_blocks`` (and ``num_host_blocks`` on the
+    host): ``model`` over torch KV tensors on ``ctx.device``. Imports torch, the model and
+    the attention kernels here, so simulation, which never calls this, never loads them."""
+    from kvbench.engines.exec.executor import TorchExecutor
+
+    return TorchExecutor(
+        model,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        num_host_blocks=num_host_blocks,
+        device=ctx.device,
+        kv_dtype=ctx.kv_dtype,
+        decode_backend=config.decode_backend,
     )
-    k = min(2 * beam_width, num_beams * vocab)
-    values, flat = torch.topk(scores.flatten(), k)
-    ranked = sorted(zip(values.tolist(), flat.tolist()), key=lambda c: (-c[0], c[1]))
-    chosen: list[tuple[int, int, float]] = []
-    finished: list[tuple[int, int, float]] = []
-    for rank, (score, index) in enumerate(ranked):
-        beam, token = divmod(index, vocab)
-        if eos_token_id is not None and token == eos_token_id:
-            if rank < beam_width:
-                finished.append((beam, token, score))
-            continue
-        chosen.append((beam, token, score))
-        if len(chosen) == beam_width:
-            break
-    return chosen, finished
+
+
+def synchronize_cuda() -> None:
+    """Wait for the current CUDA device's queued work. Only a real run on CUDA calls it,
+    and such a run has torch loaded already."""
+    import torch
+
+    torch.cuda.synchronize()
 
 
 class PagedEngine:
@@ -178,22 +178,16 @@ class PagedEngine:
                     f"engine.{name}: ctx.model is None (simulation mode) and no executor was given; "
                     "pass a cost-model executor"
                 )
-            executor = TorchExecutor(
-                ctx.model,
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                num_host_blocks=self.num_host_blocks,
-                device=ctx.device,
-                kv_dtype=ctx.kv_dtype,
-                decode_backend=config.decode_backend,
-            )
+            executor = torch_executor(ctx.model, ctx, config, num_blocks, self.num_host_blocks)
         self.executor = executor
         self.config = config.scheduler_config(spec.max_position_embeddings)
         self.scheduler = Scheduler(
             kv, self.config, spec.eos_token_id, chunk_contents=executor.reads_chunk_contents
         )
-        self.sampler = Sampler(ctx.seed)
-        self._is_cuda = torch.device(ctx.device).type == "cuda"
+        # run.device is "cpu", "cuda" or "cuda:N" (kvbench.config checks it in real mode).
+        self._is_cuda = ctx.device.partition(":")[0] == "cuda"
+        # Token selection from logits (real mode), built by the first step that has logits.
+        self._logits_tokens: LogitsTokens | None = None
         self._stand_ins = StandInTokens(ctx.seed, spec.vocab_size)
         # Fast-forward (simulation only): the cost-model executor prices a decode run in
         # one call, and only the plain paged manager's accounting is what DecodeRun and
@@ -276,7 +270,7 @@ class PagedEngine:
         events = self._advance(targets, result)
         finished = self.scheduler.pop_finished()
         if self._is_cuda:
-            torch.cuda.synchronize()
+            synchronize_cuda()
         for done in finished:
             self._stand_ins.forget(done.request_id)
         bytes_to_host, bytes_from_host = self._swap_bytes(output)
@@ -363,67 +357,19 @@ class PagedEngine:
     def _advance(
         self, targets: list[tuple[SequenceGroup, Sequence]], result: ExecutionResult
     ) -> list[TokenEvent]:
-        """Pick next tokens for every sampling target and apply them (forks, beams, finishes)."""
+        """Pick next tokens for every sampling target and apply them (forks, beams,
+        finishes): sampled from the step's logits, or seeded stand-ins when it has none."""
         if not targets:
             return []
         if result.logits is None:
             return self._stand_ins.advance(self.scheduler, targets)
-        logits = result.logits  # logits: [len(targets), vocab] fp32
-        rows: list[int] = []
-        keys: list[SampleKey] = []
-        beams: dict[int, tuple[SequenceGroup, list[int]]] = {}
-        for row, (group, seq) in enumerate(targets):
-            request = group.request
-            if group.is_beam:
-                beams.setdefault(id(group), (group, []))[1].append(row)
-            elif not group.has_forked and group.num_samples > 1:
-                # The prompt's last logits give every sample its first token.
-                for index in range(group.num_samples):
-                    keys.append(SampleKey(request.request_id, index, 0, request.temperature))
-                    rows.append(row)
-            else:
-                keys.append(
-                    SampleKey(
-                        request.request_id, seq.sample_index, seq.num_output_tokens, request.temperature
-                    )
-                )
-                rows.append(row)
-        events: list[TokenEvent] = []
-        if keys:
-            index_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            tokens = self.sampler.sample(logits.index_select(0, index_t), keys)
-            cursor = 0
-            for group, seq in targets:
-                if group.is_beam:
-                    continue
-                if not group.has_forked and group.num_samples > 1:
-                    firsts = tokens[cursor : cursor + group.num_samples]
-                    cursor += group.num_samples
-                    self.scheduler.fork_samples(group, firsts)
-                    events.extend(TokenEvent(group.request_id, i, t) for i, t in enumerate(firsts))
-                else:
-                    token = tokens[cursor]
-                    cursor += 1
-                    events.append(TokenEvent(group.request_id, seq.sample_index, token))
-                    self.scheduler.append_token(group, seq, token)
-        for group, group_rows in beams.values():
-            events.extend(self._advance_beams(group, [targets[r][1] for r in group_rows], logits, group_rows))
-        return events
+        return self._sampling().advance(self.scheduler, targets, result.logits)
 
-    def _advance_beams(
-        self, group: SequenceGroup, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]
-    ) -> list[TokenEvent]:
-        request = group.request
-        index_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        logprobs = log_softmax(logits.index_select(0, index_t))  # [num_beams, vocab]
-        eos = None if request.ignore_eos else self.ctx.spec.eos_token_id
-        chosen, finished = rank_beam_candidates(
-            logprobs, [s.cum_logprob for s in seqs], request.beam_width, eos
-        )
-        live = self.scheduler.advance_beams(
-            group,
-            [(seqs[beam], token, score) for beam, token, score in chosen],
-            [(score, (*seqs[beam].output_token_ids, token)) for beam, token, score in finished],
-        )
-        del live
-        return [TokenEvent(request.request_id, rank, token) for rank, (_, token, _) in enumerate(chosen)]
+    def _sampling(self) -> LogitsTokens:
+        """The engine's token selection from logits (built once; it imports torch, which a
+        step that produced logits has loaded already)."""
+        if self._logits_tokens is None:
+            from kvbench.engines.exec.sampler import LogitsTokens
+
+            self._logits_tokens = LogitsTokens(self.ctx.seed, self.ctx.spec.eos_token_id)
+        return self._logits_tokens

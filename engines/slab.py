@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvbench.engines.config import DEFAULTS, EngineConfig, size_pool
-from kvbench.engines.exec.executor import Executor
+from kvbench.engines.exec.protocol import Executor
 from kvbench.engines.kv.slab import PLACEMENTS, SlabKVManager, make_reservation
 from kvbench.engines.paged import PagedEngine
 from kvbench.sizing import kv_bytes_per_token

@@ -4,6 +4,8 @@ fast the machine was right before the run (``kvbench.probe``).
 ``collect_environment()`` returns a flat JSON-serialisable dict stored with every run.
 Unknown values are None, never guesses. Every CUDA call is behind
 ``torch.cuda.is_available()`` (on CPU builds some CUDA queries silently return 0).
+Simulation runs collect it with ``with_torch=False``: the same keys, torch not imported,
+and the facts only torch can give (its thread count, CUDA, the probe's torch figures) None.
 """
 
 from __future__ import annotations
@@ -95,18 +97,31 @@ def git_dirty(directory: Path = _PACKAGE_DIR, timeout_s: float = 2.0) -> bool | 
     return bool(result.stdout.strip()) if result.returncode == 0 else None
 
 
+# The CUDA facts a run records (all None where torch is not inspected).
+_CUDA_KEYS = (
+    "cuda_available",
+    "cuda_runtime",
+    "cuda_device_count",
+    "cuda_device_name",
+    "cuda_device_capability",
+    "cuda_device_memory_bytes",
+    "cuda_driver",
+)
+
+
+def _torch_num_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _cuda_facts() -> dict[str, Any]:
     import torch
 
-    facts: dict[str, Any] = {
-        "cuda_available": False,
-        "cuda_runtime": torch.version.cuda,  # None on CPU builds
-        "cuda_device_count": 0,
-        "cuda_device_name": None,
-        "cuda_device_capability": None,
-        "cuda_device_memory_bytes": None,
-        "cuda_driver": None,
-    }
+    facts: dict[str, Any] = dict.fromkeys(_CUDA_KEYS)
+    facts.update(
+        cuda_available=False, cuda_runtime=torch.version.cuda, cuda_device_count=0
+    )  # runtime: None on CPU builds
     if not torch.cuda.is_available():
         return facts
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -139,7 +154,7 @@ def _nvml_driver_version() -> str | None:
         pynvml.nvmlShutdown()
 
 
-def collect_environment() -> dict[str, Any]:
+def collect_environment(*, with_torch: bool = True) -> dict[str, Any]:
     """Describe this process's machine and software; JSON-serialisable, flat.
 
     Keys: ``python``, ``python_implementation``, ``platform``, ``machine``,
@@ -151,12 +166,15 @@ def collect_environment() -> dict[str, Any]:
     machine-speed probe (``kvbench.probe.probe_facts``: ``probe_compute_gflops``,
     ``probe_memory_gbps``, ``probe_python_mops``, ``probe_cuda_tflops``, ``load_average_1m``).
 
-    Side effects: imports torch, runs two short git subprocesses, runs the probe (~0.15 s
-    of CPU work, see kvbench.probe), and on CUDA initialises NVML briefly. Does not raise
-    for missing optional pieces.
-    """
-    import torch
+    ``with_torch=False`` (simulation mode, which runs no tensors) does not import torch:
+    versions still come from the installed distributions' metadata, while
+    ``torch_num_threads``, every ``cuda_*`` fact and the probe's ``probe_compute_gflops``,
+    ``probe_memory_gbps`` and ``probe_cuda_tflops`` are None (not inspected).
 
+    Side effects: imports torch (unless ``with_torch=False``), runs two short git
+    subprocesses, runs the probe (~0.15 s of CPU work, see kvbench.probe), and on CUDA
+    initialises NVML briefly. Does not raise for missing optional pieces.
+    """
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
@@ -164,13 +182,13 @@ def collect_environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
         "num_cpus": os.cpu_count(),
-        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_threads": _torch_num_threads() if with_torch else None,
         "executable": sys.executable,
     }
     for key, distribution in _DISTRIBUTIONS.items():
         env[f"{key}_version"] = package_version(distribution)
-    env.update(_cuda_facts())
+    env.update(_cuda_facts() if with_torch else dict.fromkeys(_CUDA_KEYS))
     env["git_revision"] = git_revision()
     env["git_dirty"] = git_dirty() if env["git_revision"] is not None else None
-    env.update(probe_facts())
+    env.update(probe_facts(with_torch=with_torch))
     return env

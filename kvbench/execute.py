@@ -17,10 +17,9 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -30,11 +29,13 @@ from kvbench.config import ConfigError
 from kvbench.environment import collect_environment
 from kvbench.memory import MemorySampler
 from kvbench.metrics import summarize_run
-from kvbench.model import LlamaModel
-from kvbench.runner import RawRun, SimClock, WallClock, replay
+from kvbench.runner import Clock, RawRun, SimClock, WallClock, replay
 from kvbench.sizing import weight_bytes
 from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import Engine, EngineContext, LiveEngine, Request, Workload
+
+if TYPE_CHECKING:
+    from kvbench.model import LlamaModel
 
 # Run options that do not change what is measured: excluded from the config hash so
 # that moving results or turning the progress bar on does not defeat resume.
@@ -205,7 +206,8 @@ def _execute(
     cfg: DictConfig, run_dir: Path, meta: dict[str, Any], config_yaml: str, work_dir: Path
 ) -> RunOutcome:
     try:
-        meta["environment"] = collect_environment()
+        # Simulation runs no tensors, so it never imports torch.
+        meta["environment"] = collect_environment(with_torch=cfg.run.mode != "sim")
         measured = _measure(cfg, meta, work_dir)
     except ConfigError as exc:
         meta.update(status="failed", error=f"ConfigError: {exc}")
@@ -318,9 +320,8 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
     # checkpoint as published (model.dtype). The KV cache defaults to the same dtype.
     compute_dtype = spec.dtype if sim else cfg.run.dtype
     kv_dtype = cfg.run.kv_dtype or compute_dtype
-    if cfg.run.num_threads:
-        torch.set_num_threads(cfg.run.num_threads)
-    torch.manual_seed(cfg.seed)
+    if not sim:
+        _prepare_torch(cfg)
     tokenizer = None if sim else load_tokenizer_for(spec)
     workload = build_workload(cfg, tokenizer)
     model = None if sim else load_model(spec, cfg)
@@ -334,9 +335,7 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
         # A throwaway engine warms kernels and allocator without priming the measured
         # engine's prefix cache.
         replay(build_engine(factory, ctx, cfg.engine._target_), _warmup_workload(spec), WallClock())
-    cuda = cfg.run.device.startswith("cuda") and torch.cuda.is_available()
-    clock = SimClock() if sim else WallClock(torch.cuda.synchronize if cuda else None, cuda_events=cuda)
-    device_index = torch.device(cfg.run.device).index or 0
+    clock, device_index = (SimClock(), 0) if sim else _wall_clock(cfg)
     sampler = MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=device_index)
     # Simulation samples nothing: the process's memory is the simulator's own, not the
     # modeled GPU's (and a sampling thread only competes for the GIL).
@@ -371,6 +370,27 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
     if cfg.quality.enabled:
         metrics.update(measure_quality(cfg, model, engine, tokenizer))
     return Measured(metrics, raw, memory)
+
+
+def _prepare_torch(cfg: DictConfig) -> None:
+    """Real mode's process-wide torch settings before anything is built: intra-op threads
+    (``run.num_threads``, 0 keeps torch's default) and the global seed. Imports torch;
+    simulation never calls it."""
+    import torch
+
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    torch.manual_seed(cfg.seed)
+
+
+def _wall_clock(cfg: DictConfig) -> tuple[Clock, int]:
+    """Real mode's clock (synchronising CUDA before each read when the run is on a CUDA
+    device) and the torch device index whose memory is sampled. Imports torch."""
+    import torch
+
+    cuda = cfg.run.device.startswith("cuda") and torch.cuda.is_available()
+    clock = WallClock(torch.cuda.synchronize if cuda else None, cuda_events=cuda)
+    return clock, torch.device(cfg.run.device).index or 0
 
 
 def _replay_meta(workload: Workload, raw: RawRun, spec: ModelSpec, compute_dtype: str) -> dict[str, Any]:
@@ -470,6 +490,8 @@ def measure_quality(
     Text: the shipped public-domain passage through the model's tokenizer, or seeded
     random ids for tokenizer-less random-weight models (passkey needs a tokenizer).
     """
+    import torch
+
     from kvbench.quality import FullCacheBackend, QualityConfig, evaluate_quality, load_quality_text
 
     options = {k: v for k, v in OmegaConf.to_container(cfg.quality).items() if k != "enabled"}

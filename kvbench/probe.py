@@ -17,6 +17,10 @@ scale timed metrics by it:
 Each figure is the median of ``num_reps`` timed repetitions after one untimed warm-up, so a
 single preempted repetition does not move it. The whole probe takes about 0.1-0.3 s on a
 2-core CI machine. Torch's intra-op thread count is set to 1 for the CPU parts and restored.
+
+Simulation mode never imports torch (``with_torch=False``): its figures that need torch
+(compute, memory, CUDA) are None, and ``probe_python_mops``, the speed of the pure-Python
+simulator, is what its runs are compared by.
 """
 
 from __future__ import annotations
@@ -26,8 +30,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-
-import torch
 
 # Sizes are part of the probe's definition: changing them changes what the figures mean,
 # so baselines recorded with other sizes would not compare.
@@ -45,25 +47,31 @@ class MachineSpeed:
     """Probe figures of one moment on one machine; higher is faster. Field names are the
     keys recorded in run.json's environment (runs-frame columns ``env.probe_*``)."""
 
-    probe_compute_gflops: float
-    probe_memory_gbps: float
+    probe_compute_gflops: float | None  # None when measured without torch
+    probe_memory_gbps: float | None  # None when measured without torch
     probe_python_mops: float
-    probe_cuda_tflops: float | None  # None without CUDA
+    probe_cuda_tflops: float | None  # None without CUDA or without torch
 
 
 # The probe figures compare checks, in the order it prints them.
 PROBE_KEYS: tuple[str, ...] = tuple(MachineSpeed.__dataclass_fields__)
 
 
-def measure_machine_speed(num_reps: int = DEFAULT_NUM_REPS) -> MachineSpeed:
-    """Run the probe (see module doc) and return its figures.
+def measure_machine_speed(num_reps: int = DEFAULT_NUM_REPS, *, with_torch: bool = True) -> MachineSpeed:
+    """Run the probe (see module doc) and return its figures; ``with_torch=False`` measures
+    only the Python figure and leaves the others None, without importing torch.
 
-    Side effects: allocates ~2 x COPY_BYTES of host memory (freed on return), sets torch's
-    intra-op threads to 1 for the CPU parts and restores them; on CUDA, allocates and frees
-    two small bf16 matrices on the current device. Raises ValueError when ``num_reps`` < 1.
+    Side effects (with torch): imports torch, allocates ~2 x COPY_BYTES of host memory
+    (freed on return), sets torch's intra-op threads to 1 for the CPU parts and restores
+    them; on CUDA, allocates and frees two small bf16 matrices on the current device.
+    Raises ValueError when ``num_reps`` < 1.
     """
     if num_reps < 1:
         raise ValueError(f"num_reps: must be >= 1, got {num_reps}")
+    if not with_torch:
+        return MachineSpeed(None, None, _python_mops(num_reps), None)
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -76,10 +84,11 @@ def measure_machine_speed(num_reps: int = DEFAULT_NUM_REPS) -> MachineSpeed:
     return MachineSpeed(compute, memory, python, cuda)
 
 
-def probe_facts(num_reps: int = DEFAULT_NUM_REPS) -> dict[str, float | None]:
-    """``measure_machine_speed`` as environment keys (``probe_*``) plus ``load_average_1m``
-    (the 1-minute load average when the probe ran; None where the OS has none)."""
-    facts: dict[str, float | None] = dict(asdict(measure_machine_speed(num_reps)))
+def probe_facts(num_reps: int = DEFAULT_NUM_REPS, *, with_torch: bool = True) -> dict[str, float | None]:
+    """``measure_machine_speed(num_reps, with_torch=...)`` as environment keys (``probe_*``)
+    plus ``load_average_1m`` (the 1-minute load average when the probe ran; None where the
+    OS has none)."""
+    facts: dict[str, float | None] = dict(asdict(measure_machine_speed(num_reps, with_torch=with_torch)))
     try:
         facts["load_average_1m"] = os.getloadavg()[0]
     except OSError:
@@ -99,6 +108,8 @@ def _median_seconds(work: Callable[[], object], num_reps: int) -> float:
 
 
 def _cpu_matmul_gflops(num_reps: int) -> float:
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     a = torch.rand(MATMUL_SIZE, MATMUL_SIZE, generator=generator)
     b = torch.rand(MATMUL_SIZE, MATMUL_SIZE, generator=generator)
@@ -113,6 +124,8 @@ def _cpu_matmul_gflops(num_reps: int) -> float:
 
 
 def _copy_gbps(num_reps: int) -> float:
+    import torch
+
     src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     seconds = _median_seconds(lambda: dst.copy_(src), num_reps)
@@ -130,6 +143,8 @@ def _python_mops(num_reps: int) -> float:
 
 
 def _cuda_matmul_tflops(num_reps: int) -> float:
+    import torch
+
     device = torch.device("cuda", torch.cuda.current_device())
     generator = torch.Generator(device=device).manual_seed(0)
     size = CUDA_MATMUL_SIZE

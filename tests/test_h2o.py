@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from kvbench.engines.exec.bounded import BoundedSequenceBackend, ContiguousSlotStorage
 from kvbench.engines.h2o import H2OEngine, StreamingEngine
-from kvbench.engines.kv.eviction import DropEvicted, EvictionPolicy, SequenceSlots, TransferCounters
+from kvbench.engines.kv.eviction import DropEvicted, EvictionPolicy, TransferCounters
+from kvbench.engines.kv.slots import SequenceSlots
 from kvbench.model import DenseKVCache, LlamaModel
 from kvbench.quality import QualityConfig, evaluate_quality
 from kvbench.specs import HardwareSpec, ModelSpec

@@ -10,10 +10,10 @@ import torch
 from test_h2o import BYTES_PER_TOKEN, SPEC, dense_greedy, make_ctx, random_requests, run_engine
 
 from kvbench.engines.exec.bounded import BoundedSequenceBackend, ContiguousSlotStorage
-from kvbench.engines.exec.host_tier import HostOffload
 from kvbench.engines.h2o import H2OEngine
-from kvbench.engines.kv.eviction import DropEvicted, EvictionPolicy, SequenceSlots, TransferCounters
-from kvbench.engines.offload import OffloadEngine
+from kvbench.engines.kv.eviction import DropEvicted, EvictionPolicy, TransferCounters
+from kvbench.engines.kv.slots import SequenceSlots
+from kvbench.engines.offload import HostOffload, OffloadEngine
 from kvbench.model import LlamaModel
 from kvbench.quality import QualityConfig, evaluate_quality
 

@@ -1,5 +1,5 @@
 """Tensor side of the bounded (evicting) KV caches: slot storages and the two drivers of
-``kv/eviction.py``'s per-sequence slots.
+``kv/slots.py``'s per-sequence slots (the policy is ``kv/eviction.py``'s). Real mode only.
 
 1. ``BoundedExecutor``: the executor of the batched bounded engines (``engines/bounded.py``:
    H2O, StreamingLLM, offload). It keeps each sequence's ``SequenceSlots`` and stores K/V
@@ -8,7 +8,7 @@
 2. ``BoundedSequenceBackend``: the quality harness's driver of one sequence in a
    contiguous buffer of ``max(budget, prompt)`` slots (``kvbench.quality.evaluate_quality``).
 
-Attention runs per sequence (``eviction.attend_slots``, torch bmm with per-head key
+Attention runs per sequence (``kv/slots.attend_slots``, torch bmm with per-head key
 positions): correct and simple, not the batched paged kernels, so decode throughput of
 these engines is not comparable to ``paged``'s; memory and quality are the point.
 """
@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from kvbench.engines.exec.executor import ExecutionResult, TorchExecutor
+from kvbench.engines.exec.executor import TorchExecutor
+from kvbench.engines.exec.protocol import ExecutionResult
 from kvbench.engines.kv.bounded import BoundedKVManager
-from kvbench.engines.kv.eviction import EvictedTier, EvictionPolicy, SequenceSlots, TransferCounters
+from kvbench.engines.kv.eviction import EvictedTier, EvictionPolicy, TransferCounters
+from kvbench.engines.kv.slots import SequenceSlots
 from kvbench.model import LlamaModel
 
 if TYPE_CHECKING:

@@ -1,18 +1,7 @@
-"""Executors turn a ``SchedulerOutput`` into model output; the torch one owns the KV tensors.
+"""The torch executor: turns a ``SchedulerOutput`` into logits and owns the KV tensors.
 
-The interface (what the paged engine needs from any executor)::
-
-    class Executor(Protocol):
-        reads_chunk_contents: bool
-        def execute(self, output: SchedulerOutput) -> ExecutionResult: ...
-        def describe(self) -> dict[str, Any]: ...
-
-``execute`` first applies ``output.kv_ops`` in order (copy-on-write copies, swaps to and
-from the host pool), then computes every ``ScheduledChunk`` and returns fp32 logits
-``[num_sampling_chunks, vocab]``, one row per chunk with ``sample=True`` in chunk order.
-A cost-model executor (simulation mode) implements the same call and returns
-``ExecutionResult(logits=None, modeled_duration_s=...)``: the scheduler and the KV
-manager never see the difference.
+It implements the executor interface of ``protocol.py`` (``Executor``, ``ExecutionResult``).
+Only real mode imports this module (it imports torch, the model and the attention kernels).
 
 ``TorchExecutor`` keeps the whole device pool in one tensor::
 
@@ -27,8 +16,7 @@ batched paged decode call (torch gather or Triton on CUDA) and longer chunks thr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,39 +27,13 @@ from kvbench.engines.exec.attention import (
     paged_prefill_attention,
     write_kv,
 )
+from kvbench.engines.exec.protocol import ExecutionResult
 from kvbench.engines.exec.triton_attention import select_decode_backend
 from kvbench.model import LlamaModel, torch_dtype
 
 if TYPE_CHECKING:
     from kvbench.engines.kv.protocol import KVOps
     from kvbench.engines.sched.scheduler import ScheduledChunk, SchedulerOutput
-
-
-@dataclass(frozen=True)
-class ExecutionResult:
-    """What one executed step produced.
-
-    ``logits``: fp32 [num_sampling_chunks, vocab] in chunk order, or None from a cost
-    model; ``modeled_duration_s``: the cost model's step time, None for real execution.
-    """
-
-    logits: Tensor | None
-    modeled_duration_s: float | None = None
-
-
-class Executor(Protocol):
-    # False when the executor reads neither chunk token ids nor block tables (simulation
-    # prices steps from their shapes), so the scheduler need not copy them
-    # (``Scheduler(chunk_contents=...)``).
-    reads_chunk_contents: bool
-
-    def execute(self, output: SchedulerOutput) -> ExecutionResult:
-        """Apply ``output.kv_ops`` in order, run ``output.chunks``; see the module docstring."""
-        ...
-
-    def describe(self) -> dict[str, Any]:
-        """Static facts for run.json (executor kind, tensor shapes or cost-model inputs). Pure."""
-        ...
 
 
 class PagedAttentionBackend:

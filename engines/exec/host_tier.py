@@ -1,4 +1,6 @@
-"""InfiniGen-style KV offload's host tier (``engines/offload.py`` assembles the engine): a host tier around the same bounded device budget as H2O.
+"""InfiniGen-style KV offload's host store (``engines/offload.py`` assembles the engine and
+holds the tier's settings, ``HostOffload``): a host tier around the same bounded device
+budget as H2O. Real mode only (torch); ``HostOffload.new_store`` builds the stores.
 
 The device holds ``budget`` slots per sequence, layer and KV head, exactly as in H2O
 (same policy, same storage, same memory). Tokens H2O would drop go to a host store
@@ -34,51 +36,13 @@ device-wide sync).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from kvbench.engines.kv.eviction import EvictionPolicy, SequenceSlots, SlotStorage, TransferCounters
-
-
-@dataclass(frozen=True)
-class HostOffload:
-    """The evicted-KV tier of the offload engine: keeps evicted K/V on the host and fetches
-    speculated hot tokens back before each decode step's attention (module docstring).
-
-    ``max_fetch_tokens``: most swaps per decode step, layer and KV head (0: never fetch,
-    which makes it H2O with a host copy). ``channel_share``: share of head_dim channels the
-    speculation reads. ``validate`` raises ValueError naming ``engine.<field>``.
-    """
-
-    max_fetch_tokens: int = 8
-    channel_share: float = 0.25
-    keeps_evicted_kv: ClassVar[bool] = True  # evicted KV is host-resident (KVUsage.host_bytes)
-
-    def validate(self) -> None:
-        if self.max_fetch_tokens < 0:
-            raise ValueError(f"engine.max_fetch_tokens: must be >= 0, got {self.max_fetch_tokens}")
-        if not 0.0 < self.channel_share <= 1.0:
-            raise ValueError(f"engine.channel_share: must be in (0, 1], got {self.channel_share}")
-
-    def new_store(
-        self,
-        policy: EvictionPolicy,
-        shape: tuple[int, int, int, int],
-        dtype: torch.dtype,
-        counters: TransferCounters,
-    ) -> HostKVStore:
-        """One sequence's host store; ``shape`` is (layers, q heads, KV heads, head dim)."""
-        return HostKVStore(self, policy, shape, dtype, counters)
-
-    def describe(self) -> dict[str, object]:
-        return {
-            "evicted_tier": "host",
-            "max_fetch_tokens": self.max_fetch_tokens,
-            "channel_share": self.channel_share,
-        }
+from kvbench.engines.kv.eviction import EvictionPolicy, TransferCounters
+from kvbench.engines.kv.slots import SequenceSlots, SlotStorage
 
 
 class HostKVStore:
@@ -88,14 +52,15 @@ class HostKVStore:
 
     def __init__(
         self,
-        tier: HostOffload,
+        max_fetch_tokens: int,
+        channel_share: float,
         policy: EvictionPolicy,
         shape: tuple[int, int, int, int],
         dtype: torch.dtype,
         counters: TransferCounters,
     ) -> None:
         num_layers, num_q_heads, num_kv_heads, head_dim = shape
-        self.tier = tier
+        self.max_fetch_tokens = max_fetch_tokens
         self.policy = policy
         self.counters = counters
         self.group = num_q_heads // num_kv_heads
@@ -103,7 +68,7 @@ class HostKVStore:
         self.head_dim = head_dim
         self.dtype = dtype
         self.bytes_per_entry = 2 * head_dim * torch.empty(0, dtype=dtype).element_size()
-        self.num_channels = max(1, math.ceil(tier.channel_share * head_dim))
+        self.num_channels = max(1, math.ceil(channel_share * head_dim))
         self._pin = False  # set by _bind on the first CUDA eviction
         self._side_stream: Any = None
         self.k: list[Tensor] = [self._empty_kv(0) for _ in range(num_layers)]
@@ -134,7 +99,7 @@ class HostKVStore:
 
         q: [1, Hq, D] (the decode token). Mutates the storage, ``slots`` and the store."""
         num_host = self.count[layer]
-        if num_host == 0 or self.tier.max_fetch_tokens == 0:
+        if num_host == 0 or self.max_fetch_tokens == 0:
             return
         device = q.device
         hkv, group, dim = self.num_kv_heads, self.group, self.head_dim
@@ -148,7 +113,7 @@ class HostKVStore:
         filled = slots.num_filled
         positions = slots.positions[layer, :, :filled]  # [Hkv, N]
         candidate = (positions >= slots.split.num_sink) & (positions < slots.first_recent_position)
-        num_fetch = min(self.tier.max_fetch_tokens, num_host, int(candidate.sum(dim=1).min()))
+        num_fetch = min(self.max_fetch_tokens, num_host, int(candidate.sum(dim=1).min()))
         if num_fetch == 0:
             return
         all_slots = torch.arange(filled, device=device)[:, None].expand(filled, hkv)

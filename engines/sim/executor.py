@@ -1,6 +1,6 @@
 """Simulation mode's executor: a cost model instead of tensors.
 
-``CostModelExecutor`` implements the executor interface of ``engines/exec/executor.py``
+``CostModelExecutor`` implements the executor interface of ``engines/exec/protocol.py``
 (``execute(SchedulerOutput) -> ExecutionResult``) without tensors: it reads the step's
 chunks and KV ops, asks the roofline cost model (kvbench.sim.cost_model) how long the
 step takes, and returns ``ExecutionResult(logits=None, modeled_duration_s=...)``. The
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from kvbench.engines.exec.executor import ExecutionResult
+from kvbench.engines.exec.protocol import ExecutionResult
 from kvbench.sim.cost_model import CostModel, StepShape
 from kvbench.types import EngineContext
 

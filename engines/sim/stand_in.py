@@ -12,10 +12,9 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from kvbench.engines.exec.sampler import stable_seed
 from kvbench.engines.sched.scheduler import Scheduler
 from kvbench.engines.sched.sequence import Sequence, SequenceGroup
-from kvbench.hashing import GOLDEN64, MASK64, mix64
+from kvbench.hashing import GOLDEN64, MASK64, mix64, stable_seed
 from kvbench.types import TokenEvent
 
 _SAMPLE64 = 0xD1B54A32D192ED03
