@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import operator
-from collections.abc import Sequence
 
 import numpy as np
+from numba import njit
 
 MASK64 = (1 << 64) - 1
 GOLDEN64 = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, odd: SplitMix64's increment
@@ -33,6 +32,13 @@ def stable_key(text: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from the parts' text (their ``repr``), the same in every process
+    (unlike ``hash``): the sampler's per-draw generators and simulation's stand-in keys. Pure."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 # ---------------------------------------------------------------------------- block keys
 # The prefix cache's block keys (``BlockHashPrefixIndex``) and the prefix-reuse bound
 # (``metrics.prefix_reused_tokens``) share this one definition. A full block of
@@ -44,14 +50,14 @@ def stable_key(text: str) -> int:
 #
 # so block i's key depends on every token before its end (a chained key, as vLLM's
 # parent-hash chain) while a whole prompt's keys come from a few numpy calls (a cumulative
-# sum, not a sequential loop of hashes). Two lanes: lane 0 is the dict key, lane 1 is
+# sum, not a sequential loop of hashes). Two lanes: lane 0 is the hash table's key, lane 1 is
 # compared on a hit. For ids that are not crafted against it, a false hit has probability
 # ~2**-64 per pair of blocks. It is not collision resistant: both lanes share c_j, a
 # linear sum of the ids, and lattice reduction finds two blocks with equal c_j (so equal
 # keys) in seconds; a cache shared by mutually distrusting tenants should salt prompts
 # (``cache_salt``) or use a cryptographic key, as vLLM's sha256 option does. The same in
-# every process. The scalar twins below give the same values bit for bit, for sequences
-# that grow a block at a time.
+# every process. ``chained_block_keys_into`` (compiled) gives the same values bit for bit
+# for one sequence that grows a few blocks at a time (the engines' key chains).
 
 LANE_SEEDS = (0x2545F4914F6CDD1D, 0x5851F42D4C957F2D)
 LANE_STEPS = (GOLDEN64, 0xD1B54A32D192ED03)  # odd: distinct positions stay distinct
@@ -114,24 +120,6 @@ def chain_start(salt: str | None, lane: int) -> int:
     return mix64_int((stable_key(salt) + LANE_SEEDS[lane]) & MASK64)
 
 
-def chained_block_keys(
-    tokens: np.ndarray, first_position: int, starts: tuple[int, int]
-) -> tuple[list[int], list[int]]:
-    """Both lanes' keys of consecutive blocks of one sequence: ``tokens`` int [blocks,
-    block_size] are blocks ``first_position ..``; ``starts`` is each lane's key sum before
-    them (the previous block's key, or ``chain_start``). Python int lists [blocks]. Pure."""
-    contents = block_contents(tokens)
-    positions = np.arange(first_position, first_position + len(tokens), dtype=np.uint64)
-    scratch = np.empty_like(contents)
-    lanes = []
-    for lane, start in enumerate(starts):
-        keys = block_terms(contents, positions, lane, scratch)
-        np.cumsum(keys, out=keys)
-        keys += np.uint64(start)
-        lanes.append(keys.tolist())
-    return lanes[0], lanes[1]
-
-
 def mix64_int(x: int) -> int:
     """``mix64`` of one value in [0, 2**64) as a Python int (the same bits). Pure."""
     x = ((x ^ (x >> 30)) * _MIX_1) & MASK64
@@ -139,40 +127,39 @@ def mix64_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
-@functools.cache
-def _int_multipliers(block_size: int) -> tuple[int, ...]:
-    """``block_multipliers`` as Python ints (memoised: a pure function of the size)."""
-    return tuple(block_multipliers(block_size).tolist())
+@njit(cache=True, nogil=True)
+def mix64_u64(x: np.uint64) -> np.uint64:  # pragma: no cover - compiled
+    """``mix64`` of one uint64, compiled (for loops that mix per block or per token)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX_1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX_2)
+    return x ^ (x >> np.uint64(31))
 
 
-def chained_block_keys_int(
-    token_ids: Sequence[int], block_size: int, first_position: int, starts: tuple[int, int]
-) -> tuple[list[int], list[int]]:
-    """``chained_block_keys`` in plain Python, for a few blocks at a time (a decode step
-    filling one block): ``token_ids`` (Python ints) are whole blocks ``first_position ..``.
-    The same values bit for bit; mixing inlined, as this runs once per generated block.
-    Python int lists [blocks]. Pure."""
-    multipliers = _int_multipliers(block_size)
-    step_a, step_b = LANE_STEPS
-    seed_a, seed_b = LANE_SEEDS
-    a, b = starts
-    keys_a: list[int] = []
-    keys_b: list[int] = []
-    mask, mix_1, mix_2, mul = MASK64, _MIX_1, _MIX_2, operator.mul
-    span = iter(token_ids)
-    for position, block in enumerate(zip(*[span] * block_size), first_position):
-        content = sum(map(mul, block, multipliers))
-        x = (content + position * step_a + seed_a) & mask
-        x = ((x ^ (x >> 30)) * mix_1) & mask
-        x = ((x ^ (x >> 27)) * mix_2) & mask
-        a = (a + (x ^ (x >> 31))) & mask
-        x = (content + position * step_b + seed_b) & mask
-        x = ((x ^ (x >> 30)) * mix_1) & mask
-        x = ((x ^ (x >> 27)) * mix_2) & mask
-        b = (b + (x ^ (x >> 31))) & mask
-        keys_a.append(a)
-        keys_b.append(b)
-    return keys_a, keys_b
+_LANE_STEPS_U64 = np.array(LANE_STEPS, dtype=np.uint64)
+_LANE_SEEDS_U64 = np.array(LANE_SEEDS, dtype=np.uint64)
+
+
+@njit(cache=True, nogil=True)
+def chained_block_keys_into(tokens, multipliers, first_position, starts, out_a, out_b):  # pragma: no cover
+    """Both lanes' chained keys of consecutive whole blocks of one sequence, compiled:
+    ``tokens`` int [blocks * block_size] are blocks ``first_position ..``;
+    ``multipliers`` is ``block_multipliers(block_size)``; ``starts`` uint64 [2] each
+    lane's key sum before them (the previous block's key, or ``chain_start``). Writes
+    ``out_a`` / ``out_b`` uint64 [blocks]: the values ``prompt_block_keys`` gives, bit for
+    bit (tests/test_prefix_cache.py compares them). Mutates only the outputs."""
+    bs = multipliers.shape[0]
+    a = starts[0]
+    b = starts[1]
+    for j in range(out_a.shape[0]):
+        c = np.uint64(0)
+        base = j * bs
+        for k in range(bs):
+            c += np.uint64(tokens[base + k]) * multipliers[k]
+        position = np.uint64(first_position + j)
+        a += mix64_u64(c + position * _LANE_STEPS_U64[0] + _LANE_SEEDS_U64[0])
+        b += mix64_u64(c + position * _LANE_STEPS_U64[1] + _LANE_SEEDS_U64[1])
+        out_a[j] = a
+        out_b[j] = b
 
 
 def prompt_block_keys(

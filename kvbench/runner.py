@@ -453,7 +453,9 @@ def replay(
                     f"({output.stats.num_waiting} waiting, {output.stats.num_running} running)"
                 )
             num_retired = len(output.finished) + len(output.rejected)
-            stall_steps = 0 if num_retired else stall_steps + len(ends)
+            # Requests retire in a multi-step output's last step only (StepOutput): the
+            # steps before it retired nothing.
+            stall_steps += len(ends) - 1 if num_retired else len(ends)
             if stall_steps >= max_stall_steps:
                 raise RuntimeError(
                     f"engine {engine.name!r} stalled: no request finished or was rejected in the last "
@@ -463,6 +465,8 @@ def replay(
                     f"{STALL_STEPS_FACTOR} x the longest prompt + max_new_tokens of the workload); "
                     "raise it with run.stall_steps (replay's max_stall_steps) if the workload needs longer"
                 )
+            if num_retired:
+                stall_steps = 0
             num_done += num_retired
             num_tokens += len(output.tokens)
             bar.update(num_done, num_tokens, end_s)

@@ -256,8 +256,10 @@ class StepOutput:
     consecutive decode iterations in one call. Then ``covered_steps`` describes every
     iteration in order, column-wise, with their tokens (the runner records one steps row
     each and times each token at the end of its step); ``tokens`` is empty, ``stats`` is
-    the last covered step's, ``modeled_duration_s`` their sum, and nothing is scheduled
-    first, finished or rejected in them. None: a single step.
+    the last covered step's and ``modeled_duration_s`` their sum. Requests finish only in
+    the last covered step (the runner times them at its end), and with more than one
+    covered step nothing is scheduled first or rejected and ``tokens`` is empty (a single
+    covered step may carry all three, as a plain step does). None: a single step.
     """
 
     tokens: tuple[TokenEvent, ...]

@@ -288,34 +288,3 @@ def claim_fresh(seq_refs, claimed, block_ids, block_size, last_slots):  # pragma
         claimed[b] = block_size
         seq_refs[b] = 1
     claimed[block_ids[block_ids.shape[0] - 1]] = last_slots
-
-
-# ---------------------------------------------------------------------- block keys
-@njit(cache=True, nogil=True)
-def _mix64(x):  # pragma: no cover - compiled
-    """``kvbench.hashing.mix64`` of one uint64 (SplitMix64's finaliser, wrapping)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-@njit(cache=True, nogil=True)
-def chain_keys(tokens, multipliers, first_position, starts, steps, seeds, out_a, out_b):  # pragma: no cover
-    """``kvbench.hashing``'s chained block keys of consecutive whole blocks, both lanes:
-    ``tokens`` int [blocks * block_size] are blocks ``first_position ..``; ``starts``,
-    ``steps``, ``seeds`` uint64 [2] are each lane's key sum before them, LANE_STEPS and
-    LANE_SEEDS. Writes keys into ``out_a`` / ``out_b`` [blocks] (the same values as
-    ``chained_block_keys``, bit for bit; tests/test_prefix_cache.py compares them)."""
-    bs = multipliers.shape[0]
-    a = starts[0]
-    b = starts[1]
-    for j in range(out_a.shape[0]):
-        c = np.uint64(0)
-        base = j * bs
-        for k in range(bs):
-            c += np.uint64(tokens[base + k]) * multipliers[k]
-        position = np.uint64(first_position + j)
-        a += _mix64(c + position * steps[0] + seeds[0])
-        b += _mix64(c + position * steps[1] + seeds[1])
-        out_a[j] = a
-        out_b[j] = b

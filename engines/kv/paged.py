@@ -293,19 +293,36 @@ class PagedKVManager(SeqTable):
         """Whether ``decode_run(seq_ids)`` may start: every sequence is resident, its next
         slot is written in place or into a fresh block (no copy-on-write), and no two share
         a partial last block (the second to write would copy it). Pure."""
-        bs = self.block_size
-        partial: set[int] = set()
+        return self.try_decode_run(seq_ids) is not None
+
+    def try_decode_run(self, seq_ids: Sequence[int]) -> DecodeRun | None:
+        """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False: one pass
+        over the sequences for both (the fast path asks once per run). Mutates nothing."""
+        get = self._seqs.get
+        seqs: list[_Seq] = []
+        nums: list[int] = []  # slots per sequence now
+        tails: list[int] = []  # last block per sequence (-1: none yet)
         for seq_id in seq_ids:
-            seq = self._seqs.get(seq_id)
+            seq = get(seq_id)
             if seq is None or seq.host_blocks is not None:
-                return False
-            offset = seq.num_tokens % bs
-            if offset:
-                last = seq.block_ids[-1]
-                if last in partial or self._must_copy(last, offset, held=True):
-                    return False
-                partial.add(last)
-        return True
+                return None
+            seqs.append(seq)
+            nums.append(seq.num_tokens)
+            tails.append(seq.block_ids[-1] if seq.block_ids else -1)
+        num_slots = np.array(nums, dtype=np.int64)
+        last_blocks = np.array(tails, dtype=np.int64)
+        offsets = num_slots % self.block_size
+        partial = offsets != 0
+        partial_blocks = last_blocks[partial]
+        if len(np.unique(partial_blocks)) != len(partial_blocks):
+            return None  # a shared partial block: the second writer would copy it
+        # _must_copy(held=True) is "claimed past the offset and another holder": only
+        # blocks claimed ahead (stale claims, fork siblings) need the pool's counts.
+        partial_offsets = offsets[partial]
+        for index in np.flatnonzero(self._claimed[partial_blocks] > partial_offsets).tolist():
+            if self._must_copy(int(partial_blocks[index]), int(partial_offsets[index]), held=True):
+                return None
+        return DecodeRun(self, seqs, offsets, last_blocks)
 
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
@@ -318,11 +335,12 @@ class PagedKVManager(SeqTable):
     def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
         """Start growing ``seq_ids`` by one slot per step (see ``DecodeRun``). Mutates
         nothing yet. ValueError when ``can_decode_together`` is False."""
-        if not self.can_decode_together(seq_ids):
+        run = self.try_decode_run(seq_ids)
+        if run is None:
             raise ValueError(
                 f"decode_run: seqs {list(seq_ids)} cannot decode together (swapped or copy-on-write)"
             )
-        return DecodeRun(self, [self._seqs[seq_id] for seq_id in seq_ids])
+        return run
 
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Register ``token_ids`` (all tokens whose KV is written for the sequence) with the
@@ -686,16 +704,19 @@ class DecodeRun:
     forking, swapping them) while the run is in use voids it.
     """
 
-    __slots__ = ("_kv", "_seqs", "_at_boundary", "_num_steps")
+    __slots__ = ("_kv", "_seqs", "_residues", "_lasts", "_at_boundary", "_num_steps")
 
-    def __init__(self, kv: PagedKVManager, seqs: list[_Seq]) -> None:
+    def __init__(self, kv: PagedKVManager, seqs: list[_Seq], residues: np.ndarray, lasts: np.ndarray) -> None:
+        """``residues``: each sequence's slots modulo the block size now; ``lasts``: its
+        last block (int64 arrays in ``seqs`` order)."""
         self._kv = kv
         self._seqs = seqs
         bs = kv.block_size
+        self._residues = residues
+        # _lasts[i]: sequence i's last block (kept current by advance / advance_many).
+        self._lasts = lasts
         # _at_boundary[r]: how many sequences need a fresh block at step k with (-k) % bs == r.
-        self._at_boundary = [0] * bs
-        for seq in seqs:
-            self._at_boundary[seq.num_tokens % bs] += 1
+        self._at_boundary: list[int] = np.bincount(residues, minlength=bs).tolist()
         self._num_steps = 0
 
     def num_new_blocks(self) -> int:
@@ -706,32 +727,30 @@ class DecodeRun:
     def advance(self) -> None:
         """Reserve the next slot of every sequence, in order. Mutates the manager (claims,
         block tables, the pool, which may evict cached blocks). Raises KVCapacityError,
-        having reserved slots for the sequences before the one that failed, when
-        ``num_new_blocks`` exceeds what is allocatable."""
+        changing nothing, when ``num_new_blocks`` exceeds what is allocatable."""
         kv = self._kv
         bs = kv.block_size
+        if self.num_new_blocks() > kv.num_allocatable_blocks:
+            raise KVCapacityError("decode run: no block left for the next slot (check num_new_blocks)")
+        offsets = (self._residues + self._num_steps) % bs  # the slot each writes in its last block
+        in_place = offsets != 0
+        # In place (the precondition): distinct blocks, so one vectorised write; a sole
+        # holder overwrites stale claims. Order-free: only the slot count sums them.
+        lasts = self._lasts[in_place]
+        written = offsets[in_place] + 1
         claimed = kv._claimed
-        slots = 0
-        for seq in self._seqs:
-            offset = seq.num_tokens % bs
-            if offset:
-                # In place (the precondition): a sole holder overwrites stale claims.
-                last = seq.block_ids[-1]
-                slots += offset + 1 - int(claimed[last])
-                claimed[last] = offset + 1
-                seq.num_tokens += 1
-            else:
-                kv._num_token_slots += slots
-                slots = 0
-                if (
-                    kv._num_blocks_needed(seq.num_tokens, seq.block_ids, 1, held=True)
-                    > kv.num_allocatable_blocks
-                ):
-                    raise KVCapacityError(
-                        "decode run: no block left for the next slot (check num_new_blocks)"
-                    )
-                kv._grow(seq, 1)
-        kv._num_token_slots += slots
+        kv._num_token_slots += int((written - claimed[lasts]).sum())
+        claimed[lasts] = written
+        seqs = self._seqs
+        for seq in seqs:
+            seq.num_tokens += 1
+        # The others start a fresh block, in sequence order (the pool's order): what
+        # append(seq, 1) does for each, the in-place writes above touching no pool state.
+        for index in np.flatnonzero(~in_place).tolist():
+            seq = seqs[index]
+            seq.num_tokens -= 1
+            kv._grow(seq, 1)
+            self._lasts[index] = seq.block_ids[-1]
         self._num_steps += 1
 
     def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
@@ -817,6 +836,7 @@ class DecodeRun:
                 seq_refs[b] = 1
             if len(table) * bs > after:
                 claimed[table[-1]] = after - (len(table) - 1) * bs
+        self._lasts = np.array([seq.block_ids[-1] for seq in self._seqs], dtype=np.int64)
         num_seqs = len(self._seqs)
         kv._num_blocks_in_use += total
         kv._num_token_slots += num_steps * num_seqs + stale

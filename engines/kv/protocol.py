@@ -61,6 +61,9 @@ class KVManager(Protocol):
     num_blocks: int
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
+    # A ``commit`` after a one-token (decode) step registers something only when the
+    # written length is a multiple of this; the scheduler skips the others (1: never skip).
+    commit_interval: int
 
     @property
     def num_evicted_blocks(self) -> int: ...
@@ -169,8 +172,6 @@ class DecodeRunKV(KVManager, Protocol):
     """What the simulation fast path (``engines/sim/fast_forward.py``) needs on top of
     ``KVManager``: taking many plain decode steps without planning each one."""
 
-    commit_interval: int  # a commit registers something only at multiples of this length
-
     @property
     def num_allocatable_blocks(self) -> int:
         """Blocks ``append``/``allocate`` may still take (free + evictable). Pure."""
@@ -183,6 +184,11 @@ class DecodeRunKV(KVManager, Protocol):
     def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
         """Start growing ``seq_ids`` by one slot per step. ValueError when
         ``can_decode_together`` is False."""
+        ...
+
+    def try_decode_run(self, seq_ids: Sequence[int]) -> DecodeRun | None:
+        """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False (one pass
+        over the sequences instead of two). Mutates nothing."""
         ...
 
     def match_watch(

@@ -341,6 +341,7 @@ class SlabKVManager(SeqTable):
         check_sizes("SlabKVManager", num_blocks, block_size, bytes_per_token)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.commit_interval = 1  # commits register nothing here; never skipped
         self.bytes_per_token = bytes_per_token
         self.reservation = reservation
         self.placement = placement or FirstFit()

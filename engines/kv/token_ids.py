@@ -19,14 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.engines.kv import native
-from kvbench.hashing import LANE_SEEDS, LANE_STEPS, block_multipliers, chain_start
+from kvbench.hashing import block_multipliers, chain_start, chained_block_keys_into
 
 # A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys,
 # shared with the prefix-reuse bound). Lane 0 keys the hash table; lane 1 is compared on a
 # hit. The block's token ids are not kept in the key (vLLM likewise trusts a hash).
-_LANE_STEPS = np.array(LANE_STEPS, dtype=np.uint64)
-_LANE_SEEDS = np.array(LANE_SEEDS, dtype=np.uint64)
 
 
 class BlockKeyChain:
@@ -38,7 +35,7 @@ class BlockKeyChain:
     sequence grows, so keys are only ever appended. Block ``i``'s key is ``hashes[i]``
     (lane 0) and ``checks[i]`` (lane 1) of ``kvbench.hashing``'s chained block keys, which
     depend on every token up to the block's end. ``extend`` keys new blocks in one
-    compiled loop (``native.chain_keys``; from the prompt's own array in an
+    compiled loop (``kvbench.hashing.chained_block_keys_into``; from the prompt's own array in an
     ``ArrayTokenIds``): O(new blocks x block_size).
 
     It also memoises the last match of the chain against one index (the ``match_*``
@@ -112,13 +109,11 @@ class BlockKeyChain:
             self._lanes[0], self._lanes[1] = self._hashes[first - 1], self._checks[first - 1]
         else:
             self._lanes[:] = self._starts
-        native.chain_keys(
+        chained_block_keys_into(
             _id_array(token_ids, first * bs, num_blocks * bs),
             block_multipliers(bs),
             first,
             self._lanes,
-            _LANE_STEPS,
-            _LANE_SEEDS,
             self._hashes[first:num_blocks],
             self._checks[first:num_blocks],
         )

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from kvbench.engines.kv.protocol import NO_OPS
 from kvbench.engines.kv.token_ids import TokenPrefix, TokenSpan
 from kvbench.engines.sched.sequence import GroupStatus, Sequence, SequenceGroup, num_samples
@@ -383,9 +385,10 @@ class Scheduler:
 
         None when rejections are pending, a group is swapped, a beam group runs (beams
         are ranked jointly), a prompt is not fully computed, a sample group has not
-        forked yet, the batch exceeds the token budget, or a sequence's next slot needs a
-        copy-on-write (``PagedKVManager.can_decode_together``). Whether a waiting group
-        would be admitted is checked per step by ``append_decodes``.
+        forked yet, or the batch exceeds the token budget. The KV side (no copy-on-write
+        ahead) is the caller's to check: ``PagedKVManager.try_decode_run`` answers it
+        while building the run. Whether a waiting group would be admitted is checked per
+        step by ``append_decodes``.
         """
         if self._pending_rejections or self.swapped or not self.running or self._prepared is not None:
             return None
@@ -405,8 +408,6 @@ class Scheduler:
                     return None
                 pairs.append((group, seq))
         if len(pairs) > self.config.max_num_batched_tokens:
-            return None
-        if not self.kv.can_decode_together([seq.seq_id for _, seq in pairs]):
             return None
         return pairs
 
@@ -452,21 +453,30 @@ class Scheduler:
         self._budget = budget
         return self._finish_plan(first_piece)
 
-    def complete_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], token_ids: Sequence[int]) -> None:
-        """Finish a plain decode step: what ``complete_step`` and ``append_token`` do for
-        these decode chunks; ``token_ids[i]`` is the token sampled for ``pairs[i]``. A
-        sequence this token finishes retires in ``finish_decodes`` (the run's last step),
-        as do peaks.
+    def complete_decodes(
+        self, seqs: list[Sequence], token_ids: SequenceOf[int], commit_phases: np.ndarray, step: int
+    ) -> None:
+        """Finish a plain decode step of a run: what ``complete_step`` and ``append_token``
+        do for these decode chunks; ``token_ids[i]`` is the token sampled for ``seqs[i]``.
+        ``commit_phases`` (``decode_commit_phases`` of the run's first step) and ``step``
+        (steps of the run completed before this one) say which sequences reach a
+        commit: the others' commits would register nothing. A sequence this token
+        finishes retires in ``finish_decodes`` (the run's last step), as do peaks.
         Mutates the sequences and the prefix index (commit)."""
         kv = self.kv
-        interval = kv.commit_interval
-        for (_, seq), token in zip(pairs, token_ids):
-            tokens = seq.token_ids
-            computed = len(tokens)
-            seq.num_computed_tokens = computed
-            if computed % interval == 0:  # otherwise the commit would register nothing
-                kv.commit(seq.seq_id, tokens)
-            tokens.append(token)
+        for index in np.flatnonzero(commit_phases == step % kv.commit_interval).tolist():
+            seq = seqs[index]
+            kv.commit(seq.seq_id, seq.token_ids)  # every token but the new one has its KV
+        for seq, token in zip(seqs, token_ids):
+            # Decode state: one token lacked KV; it has it now and the new one lacks it.
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(token)
+
+    def decode_commit_phases(self, lengths: np.ndarray) -> np.ndarray:
+        """For sequences of ``lengths`` tokens (int64) in decode state: the step of a run,
+        modulo ``kv.commit_interval``, in which each one's commit can register something
+        (its computed length then reaches a multiple of the interval). Pure."""
+        return -lengths % self.kv.commit_interval
 
     def quiet_decode_steps(
         self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, max_steps: int
@@ -521,13 +531,17 @@ class Scheduler:
         for seq, num_tokens in commits:
             kv.commit(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens))
 
-    def finish_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], retire: bool) -> None:
+    def finish_decodes(
+        self, pairs: list[tuple[SequenceGroup, Sequence]], candidates: SequenceOf[int]
+    ) -> None:
         """End a decode run: the peak KV slots of its groups, which only grew during it (no
-        slot is freed in a run), so one update at the end equals one per step. With
-        ``retire`` (the run's last step gave some sequence its last token), then retire
-        every sequence that is done, in pair order, as ``append_token`` does after a
-        normal step (``pop_finished`` reports their requests). Mutates the groups' peak
-        counters and, on retirement, the queues and the KV manager (frees)."""
+        slot is freed in a run), so one update at the end equals one per step. Then
+        retire, in pair order, every sequence among ``pairs[i]`` for ``i`` in
+        ``candidates`` (ascending) that is done, as ``append_token`` does after a normal
+        step (``pop_finished`` reports their requests): the caller names those that may
+        have produced their last token in the run's last step (a superset is fine).
+        Mutates the groups' peak counters and, on retirement, the queues and the KV
+        manager (frees)."""
         shared: dict[int, SequenceGroup] = {}
         for group, seq in pairs:
             if len(group.seqs) == 1:
@@ -541,10 +555,10 @@ class Scheduler:
                 shared[id(group)] = group
         for group in shared.values():
             self._update_peaks(group)
-        if retire:
-            for group, seq in pairs:
-                if group.is_finished_token(seq):
-                    self._finish_seq(group, seq)
+        for index in candidates:
+            group, seq = pairs[index]
+            if group.is_finished_token(seq):
+                self._finish_seq(group, seq)
 
     def _head_may_start(self, budget: int) -> bool:
         """Whether ``_admit_waiting`` with ``budget`` tokens left could admit the head (or
@@ -1031,14 +1045,17 @@ class Scheduler:
         """
         targets = []
         kv = self.kv
+        interval = kv.commit_interval
         for piece in self._last_pieces:
             seq = piece.seq
-            seq.num_computed_tokens = piece.start + piece.num_tokens
-            computed = seq.num_computed_tokens
+            seq.num_computed_tokens = computed = piece.start + piece.num_tokens
             tokens = seq.token_ids
-            # A prefilling sequence commits its computed prefix: a view, not an O(prompt) copy.
-            kv.commit(seq.seq_id, tokens if computed == len(tokens) else TokenPrefix(tokens, computed))
-            if computed == len(seq.token_ids):
+            # A one-token piece commits only where it can register something (as
+            # complete_decodes); a longer chunk may complete a block anywhere.
+            if piece.num_tokens > 1 or computed % interval == 0:
+                # A prefilling sequence commits its computed prefix: a view, not an O(prompt) copy.
+                kv.commit(seq.seq_id, tokens if computed == len(tokens) else TokenPrefix(tokens, computed))
+            if computed == len(tokens):
                 targets.append((piece.group, seq))
         self._last_pieces = []
         return targets

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -49,6 +48,18 @@ FIRST_DECODE_WINDOW = 8
 StatsFn = Callable[..., StepStats]
 
 
+def _finishing(
+    to_limit: np.ndarray, step: int, eos_rows: np.ndarray | None, step_tokens: np.ndarray, eos: int
+) -> list[int]:
+    """Which sequences produce their last token in the run's step ``step`` (counting from
+    1): their length limit (``to_limit``: steps to it) or EOS where checked (``eos_rows``;
+    ``step_tokens``: that step's tokens). Ascending indexes. Pure."""
+    done = to_limit <= step
+    if eos_rows is not None:
+        done |= eos_rows & (step_tokens == eos)
+    return np.flatnonzero(done).tolist()
+
+
 class RunLog:
     """A decode run's covered steps as they go: durations, KV counts, evictions, tokens."""
 
@@ -60,7 +71,7 @@ class RunLog:
         "durations_s",
         "counts",
         "evicted",
-        "token_rows",
+        "token_blocks",
     )
 
     def __init__(
@@ -75,29 +86,28 @@ class RunLog:
         self.durations_s: list[float] = []
         self.counts: list[tuple[int, int, int]] = []  # the KV manager's usage_counts after each step
         self.evicted: list[int] = []  # cached blocks each step reused
-        self.token_rows: list[list[int]] = [[] for _ in request_ids]  # [seq][step]
+        # The steps' tokens: int64 [seq] columns (one step) and [seq, step] blocks, in order.
+        self.token_blocks: list[np.ndarray] = []
 
     def add(
-        self, step_tokens: list[int], duration_s: float, counts: tuple[int, int, int], evicted: int
+        self, step_tokens: np.ndarray, duration_s: float, counts: tuple[int, int, int], evicted: int
     ) -> None:
-        """Record one step: a token per sequence, its time, KV counts and evictions."""
+        """Record one step: a token per sequence (int64 [seq]), its time, KV counts and evictions."""
         self.durations_s.append(duration_s)
         self.counts.append(counts)
         self.evicted.append(evicted)
-        for row, token in zip(self.token_rows, step_tokens):
-            row.append(token)
+        self.token_blocks.append(step_tokens[:, None])
 
     def add_many(
-        self, token_rows: list[list[int]], durations_s: list[float], reserved: list[tuple[int, int, int, int]]
+        self, token_block: np.ndarray, durations_s: list[float], reserved: list[tuple[int, int, int, int]]
     ) -> None:
-        """Record steps taken together: ``token_rows[seq][step]`` and ``DecodeRun.advance_many``'s
+        """Record steps taken together: tokens int64 [seq, step] and ``DecodeRun.advance_many``'s
         per-step counts."""
         self.durations_s.extend(durations_s)
         for in_use, token_slots, free, evicted in reserved:
             self.counts.append((in_use, token_slots, free))
             self.evicted.append(evicted)
-        for row, new in zip(self.token_rows, token_rows):
-            row.extend(new)
+        self.token_blocks.append(token_block)
 
     def finish(self, kv: DecodeRunKV, stats: StatsFn) -> CoveredSteps | None:
         """The run's steps as ``StepOutput.covered_steps`` (None when none was taken; the
@@ -128,7 +138,7 @@ class RunLog:
             columns=columns,
             request_ids=tuple(self.request_ids),
             sample_indexes=tuple(self.samples),
-            token_ids=tuple(map(tuple, self.token_rows)),
+            token_ids=tuple(map(tuple, np.concatenate(self.token_blocks, axis=1).tolist())),
         )
 
 
@@ -178,29 +188,34 @@ class FastForward:
         pairs = scheduler.decode_batch()
         if pairs is None:
             return None
+        seqs = [seq for _, seq in pairs]
+        kv = self.kv
+        run = kv.try_decode_run([seq.seq_id for seq in seqs])
+        if run is None:
+            return None  # a copy-on-write ahead: a normal step
         tokens_of = self.tokens
         # Steps up to the first finish by length: the step producing a sequence's last
         # token (step ``max_new_tokens - num_output_tokens``, counting from 1) ends the run.
         # One comprehension per column: the batch is rebuilt for every run.
         requests = [group.request for group, _ in pairs]
-        seqs = [seq for _, seq in pairs]
-        lengths = [len(seq.token_ids) for seq in seqs]
-        positions = [length - seq.num_prompt_tokens for length, seq in zip(lengths, seqs)]  # outputs so far
-        finish_step = min(
-            MAX_DECODE_RUN_STEPS + 1, min(map(operator.sub, [r.max_new_tokens for r in requests], positions))
-        )
+        lengths = np.array([len(seq.token_ids) for seq in seqs], dtype=np.int64)
+        positions = lengths - np.array(
+            [seq.num_prompt_tokens for seq in seqs], dtype=np.int64
+        )  # outputs so far
+        # Steps until each sequence's length limit (its last token in step ``to_limit``).
+        to_limit = np.array([r.max_new_tokens for r in requests], dtype=np.int64) - positions
+        finish_step = min(MAX_DECODE_RUN_STEPS + 1, int(to_limit.min()))
         base = tokens_of.base
         seq_bases = [base(request.request_id) for request in requests]
         samples = [seq.sample_index for seq in seqs]
-        check_eos = [not request.ignore_eos for request in requests]
         max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
-        context = sum(lengths)
+        context = int(lengths.sum())
         num_seqs = len(pairs)
         vocab, eos = tokens_of.vocab_size, self.eos_token_id
-        eos_rows = np.asarray(check_eos) if any(check_eos) else None
-        kv = self.kv
-        run = kv.decode_run([seq.seq_id for seq in seqs])
+        check_eos = np.array([not request.ignore_eos for request in requests])
+        eos_rows = check_eos if check_eos.any() else None
+        commit_phases = scheduler.decode_commit_phases(lengths)
         log = RunLog(
             [request.request_id for request in requests],
             samples,
@@ -217,7 +232,7 @@ class FastForward:
             size = min(window, max_steps - offset)
             window *= 2
             durations = executor.cost_model.decode_run_s(num_seqs, context + offset * num_seqs, size).tolist()
-            tokens = stand_in_tokens(seq_bases, samples, [p + offset for p in positions], size, vocab)
+            tokens = stand_in_tokens(seq_bases, samples, positions + offset, size, vocab)
             limit = size
             if eos_rows is not None:
                 # The step in which some sequence samples EOS finishes it: the run's last.
@@ -240,13 +255,13 @@ class FastForward:
                     while num < cap and end_s < next_arrival_s:
                         end_s += durations[index + num]
                         num += 1
-                    token_rows = tokens[:, index : index + num].tolist()  # [seq][step]
-                    step_commits = scheduler.complete_decodes_many(pairs, token_rows)
+                    token_block = tokens[:, index : index + num]  # [seq, step]
+                    step_commits = scheduler.complete_decodes_many(pairs, token_block.tolist())
                     reserved = run.advance_many(
                         num,
                         after_step=lambda step, commits=step_commits: scheduler.commit_decodes(commits[step]),
                     )
-                    log.add_many(token_rows, durations[index : index + num], reserved)
+                    log.add_many(token_block, durations[index : index + num], reserved)
                     quiet -= num
                     index += num
                     offset += num
@@ -261,7 +276,14 @@ class FastForward:
                     plan = scheduler.admit_after_decodes(pairs, run)
                     if plan is not None:
                         return self._admission_step(
-                            pairs, plan, counters0, tokens[:, 0].tolist(), context, samples, finish_step == 1
+                            pairs,
+                            plan,
+                            counters0,
+                            tokens[:, 0],
+                            context,
+                            samples,
+                            commit_phases,
+                            _finishing(to_limit, 1, eos_rows, tokens[:, 0], eos),
                         )
                 elif not scheduler.append_decodes(pairs, run):
                     # A waiting group starts in this step: the scheduler keeps its plan for
@@ -270,14 +292,20 @@ class FastForward:
                     ended = True
                     break
                 quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
-                step_tokens, duration_s = tokens[:, index].tolist(), durations[index]  # one per sequence
-                scheduler.complete_decodes(pairs, step_tokens)
+                step_tokens, duration_s = tokens[:, index], durations[index]  # one per sequence
+                scheduler.complete_decodes(seqs, step_tokens.tolist(), commit_phases, offset)
                 log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - counters0[2])
                 index += 1
                 offset += 1
                 start_s += duration_s
-        # Sequences finish only in the run's last step (``finish_step``), once it is taken.
-        scheduler.finish_decodes(pairs, retire=offset == finish_step)
+        # Sequences finish only in the run's last step (``finish_step``), once it is taken;
+        # its tokens are the last window's column ``index - 1`` (the run ends in the window
+        # where it reaches ``finish_step``).
+        if offset == finish_step:
+            candidates = _finishing(to_limit, offset, eos_rows, tokens[:, index - 1], eos)
+        else:
+            candidates = []
+        scheduler.finish_decodes(pairs, candidates)
         finished = scheduler.pop_finished()
         for done in finished:
             tokens_of.forget(done.request_id)
@@ -300,17 +328,20 @@ class FastForward:
         pairs: list[tuple[SequenceGroup, Sequence]],
         plan: SchedulerOutput,
         counters0: tuple[int, int, int],
-        step_tokens: list[int],
+        step_tokens: np.ndarray,
         context: int,
         samples: list[int],
-        retire: bool,
+        commit_phases: np.ndarray,
+        candidates: list[int],
     ) -> StepOutput:
         """Take a step in which the decode batch ``pairs`` (slots reserved) runs next to
         ``plan``, the admission ``Scheduler.admit_after_decodes`` planned, in the order a
         normal step completes it: the batch's commits and tokens (``step_tokens``, one per
         pair), the plan's chunks, the KV usage as executed, then the batch's finished
         sequences, then the plan's sampled tokens. ``context``: the batch's decode context
-        (its sequences' lengths, the token decoded included); ``retire``: whether a token of the batch finishes a sequence.
+        (its sequences' lengths, the token decoded included); ``commit_phases``: the
+        batch's ``Scheduler.decode_commit_phases``; ``candidates``: the pairs whose token
+        may finish them (``finish_decodes``).
         Returns the step as one covered step (the batch's tokens) with the plan's token
         events. Mutates the scheduler, KV manager, executor totals and stand-in keys."""
         scheduler, kv = self.scheduler, self.kv
@@ -323,11 +354,12 @@ class FastForward:
             num_decode_context_tokens=plan.shape.num_decode_context_tokens + context,
         )
         duration_s = self.executor.cost_model.duration_s(shape)
-        scheduler.complete_decodes(pairs, step_tokens)
+        tokens = step_tokens.tolist()
+        scheduler.complete_decodes([seq for _, seq in pairs], tokens, commit_phases, 0)
         targets = scheduler.complete_step()
         usage = kv.usage()
         num_running = sum(len(group.seqs) for group in scheduler.running)
-        scheduler.finish_decodes(pairs, retire=retire)
+        scheduler.finish_decodes(pairs, candidates)
         events = self.tokens.advance(scheduler, targets) if targets else []
         finished = scheduler.pop_finished()
         for done in finished:
@@ -347,7 +379,7 @@ class FastForward:
             columns={},
             request_ids=tuple([group.request_id for group, _ in pairs]),
             sample_indexes=tuple(samples),
-            token_ids=tuple(zip(step_tokens)),
+            token_ids=tuple(zip(tokens)),
         )
         self.executor.record_steps(covered.durations_s)
         return StepOutput(

@@ -1,0 +1,152 @@
+"""The decode run's vectorised KV side against the plain per-sequence path.
+
+``PagedKVManager.try_decode_run`` decides in one pass whether a batch may decode together
+(no copy-on-write ahead) and ``DecodeRun.advance`` writes a step's in-place claims in one
+vectorised assignment. Both are compared here with appending one slot per sequence in
+order (``append``), on random managers with fork siblings, stale claims, cached blocks
+and every prefix index.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
+from kvbench.engines.kv.protocol import KVCapacityError
+from kvbench.engines.kv.radix_cache import RadixPrefixIndex
+
+BS = 4
+INDEXES = {"hash": BlockHashPrefixIndex, "radix": RadixPrefixIndex, "none": NullPrefixIndex}
+
+
+def _random_manager(index_name: str, seed: int, num_blocks: int = 96) -> tuple[PagedKVManager, list[int]]:
+    """A manager in a random state reached through public calls only: prompts sharing
+    prefixes (cache hits, registered blocks), forks whose siblings may share a partial
+    block or leave stale claims behind when freed, and freed sequences' cached blocks.
+    Returns it with its live sequence ids (in a random order)."""
+    rng = random.Random(seed)
+    m = PagedKVManager(num_blocks, BS, 8, INDEXES[index_name]())
+    stems = [[rng.randrange(3, 50) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    live: list[int] = []
+    next_id = 0
+    for _ in range(rng.randrange(3, 9)):
+        tokens = rng.choice(stems) + [rng.randrange(3, 50) for _ in range(rng.randrange(0, 7))]
+        m.allocate(next_id, tokens, len(tokens) - m.num_cached_tokens(tokens, None), None)
+        m.commit(next_id, tokens)
+        live.append(next_id)
+        next_id += 1
+        action = rng.random()
+        if action < 0.4:
+            parent = rng.choice(live)
+            m.fork(parent, next_id)
+            live.append(next_id)
+            next_id += 1
+            if rng.random() < 0.5:
+                m.append(rng.choice((parent, next_id - 1)), 1)  # one sibling writes ahead
+        elif action < 0.55 and len(live) > 1:
+            m.free(live.pop(rng.randrange(len(live))))  # may leave stale claims or cached blocks
+    rng.shuffle(live)
+    return m, live
+
+
+def _appends_copy_nothing(m: PagedKVManager, seq_ids: list[int]) -> bool:
+    """The plain answer to "may these decode together": appending one slot to each, in
+    order, copies no block. Mutates ``m``."""
+    for seq_id in seq_ids:
+        if not m.has_seq(seq_id) or m.is_swapped(seq_id):
+            return False
+        if m.append(seq_id, 1).copies:
+            return False
+    return True
+
+
+def _decodable(m: PagedKVManager, seq_ids: list[int]) -> list[int]:
+    """The sequences, in order, left after dropping each one that would copy-on-write
+    next to those kept. Pure."""
+    batch: list[int] = []
+    for seq_id in seq_ids:
+        if m.can_decode_together(batch + [seq_id]):
+            batch.append(seq_id)
+    return batch
+
+
+def _state(m: PagedKVManager, seq_ids: list[int]) -> tuple:
+    return (
+        [m.block_table(s) for s in seq_ids],
+        [m.num_tokens(s) for s in seq_ids],
+        m.usage(),
+        m.pool.free_blocks(),
+        m.num_evicted_blocks,
+        m.num_cow_copies,
+    )
+
+
+@pytest.mark.parametrize("index_name", sorted(INDEXES))
+@pytest.mark.parametrize("seed", range(40))
+def test_try_decode_run_answers_as_appending_in_order(index_name, seed):
+    m, live = _random_manager(index_name, seed)
+    reference, _ = _random_manager(index_name, seed)
+    run = m.try_decode_run(live)
+    assert (run is not None) == m.can_decode_together(live) == _appends_copy_nothing(reference, live)
+    assert m.try_decode_run(live + [10_000]) is None  # an unknown sequence
+    m.check()  # asking changed nothing
+
+
+def test_random_states_cover_both_answers():
+    """The states above include batches that may decode together and ones that may not
+    (a shared partial block, claims ahead in a cached or shared block)."""
+    answers = {
+        _random_manager(index_name, seed)[0].can_decode_together(_random_manager(index_name, seed)[1])
+        for index_name in INDEXES
+        for seed in range(40)
+    }
+    assert answers == {True, False}
+
+
+@pytest.mark.parametrize("index_name", sorted(INDEXES))
+@pytest.mark.parametrize("seed", range(25))
+def test_advance_equals_appending_one_slot_per_sequence(index_name, seed):
+    m, live = _random_manager(index_name, seed, num_blocks=40)
+    stepped, _ = _random_manager(index_name, seed, num_blocks=40)
+    live = _decodable(m, live)
+    run = m.try_decode_run(live)
+    assert run is not None
+    for _ in range(3 * BS + 1):
+        if run.num_new_blocks() > m.num_allocatable_blocks:
+            before = _state(m, live)
+            with pytest.raises(KVCapacityError):
+                run.advance()
+            assert _state(m, live) == before  # refused, changing nothing
+            break
+        for seq_id in live:
+            stepped.append(seq_id, 1)
+        run.advance()
+        m.check()
+        assert _state(m, live) == _state(stepped, live)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_advance_after_advance_many_follows_the_new_last_blocks(seed):
+    """advance_many moves sequences into fresh blocks; a following advance writes in place
+    into those (the run keeps each sequence's last block current)."""
+    m, live = _random_manager("hash", seed)
+    stepped, _ = _random_manager("hash", seed)
+    live = _decodable(m, live)
+    run = m.try_decode_run(live)
+    assert run is not None
+    for num_steps in (BS + 1, 1, 2, BS - 1, 1):
+        num_steps = run.num_quiet_steps((), num_steps)
+        run.advance_many(num_steps)
+        for _ in range(num_steps):
+            for seq_id in live:
+                stepped.append(seq_id, 1)
+        if run.num_new_blocks() > m.num_allocatable_blocks:
+            break
+        run.advance()
+        for seq_id in live:
+            stepped.append(seq_id, 1)
+        m.check()
+        assert _state(m, live) == _state(stepped, live)
