@@ -1,6 +1,7 @@
 """The README's "What it measured here" tables, generated from results instead of typed.
 
     python scripts/readme_figures.py [--results DIR] [--run] [--only NAME ...] [--write | --check]
+    python scripts/readme_figures.py --benchmark-json FILE [FILE ...] [--write | --check]
 
 Each table lives in README.md between ``<!-- figures:NAME begin -->`` and
 ``<!-- figures:NAME end -->``, NAME being the experiment it shows, and is rendered from
@@ -23,17 +24,26 @@ the schedule does not depend on the machine's speed. A configuration's repeats m
 on them exactly. Timed figures (wall-clock latencies and throughputs) are the mean over a
 configuration's repeats, marked with ``~`` in their header, and each table with one says
 the machine-speed probe (``kvbench.probe``, median over its runs) they were measured at.
+
+``--benchmark-json`` renders the ``sim_speed`` block instead: the simulation speed figures
+(BENCH_FIGURES) from pytest-benchmark JSON files written by ``--benchmark-json FILE`` runs
+of tests/benchmarks (tests/benchmarks/rounds.py puts each figure in ``extra_info`` as
+``KEY_min`` / ``KEY_median`` / ``KEY_max``, with the rounds, load average and probe). Every
+cell is a measured time, so ``--check`` compares only the block's headers and row labels.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -409,6 +419,195 @@ def check_block(text: str, figure: Figure, table: Table) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- benchmark figures
+BENCH_BLOCK = "sim_speed"
+BENCH_CAPTION = (
+    "Simulation speed (`pytest tests/benchmarks -o python_files='bench_*.py' --benchmark-enable "
+    "--benchmark-json FILE`; CPU time, min / median / max over interleaved rounds):"
+)
+BENCH_HEADERS = ("figure", "min", "median", "max", "rounds", "load avg (1 min)", "goal")
+BENCH_STYLES: dict[str, Callable[[float], str]] = {
+    "rate": _thousands,
+    "seconds": lambda v: f"{v:.2f}",
+    "us": lambda v: f"{v:.2f}",
+    "ratio": lambda v: f"{v:.3f}",
+    "signed_percent": lambda v: f"{100 * v:+.1f} %",
+    "gib": lambda v: f"{v / 2**30:.2f}",
+}
+
+
+@dataclass(frozen=True)
+class BenchFigure:
+    """One row of the ``sim_speed`` block: ``extra_info`` key ``KEY`` of the benchmark named
+    ``test`` (pytest-benchmark's ``name``, parameters included), either as its
+    ``KEY_min`` / ``KEY_median`` / ``KEY_max`` over rounds or, with ``spread=False``, one
+    value ``KEY`` (a process peak). ``expect``: ``extra_info`` values the run must have
+    had for the label to be true (e.g. the number of requests)."""
+
+    label: str
+    test: str
+    key: str
+    style: str
+    goal: str
+    spread: bool = True
+    expect: Mapping[str, float | str] = field(default_factory=dict)
+
+
+SIM = "test_sim_mooncake_conversation_llama3_70b"
+BENCH_FIGURES: tuple[BenchFigure, ...] = (
+    BenchFigure(
+        "ShareGPT-like, requests/s of CPU",
+        "test_sim_sharegpt_like_requests_per_second",
+        "requests_per_cpu_s",
+        "rate",
+        ">= 5,000",
+    ),
+    BenchFigure(
+        "Mooncake conversation, 12,031 requests at 128K: CPU s, trace load included",
+        SIM,
+        "mooncake_12031_cpu_s",
+        "seconds",
+        "<= 10",
+        expect={"mooncake_12031_num_requests": 12031},
+    ),
+    BenchFigure(
+        "Mooncake conversation, 12,031 requests at 128K: peak RSS GiB",
+        SIM,
+        "peak_rss_bytes",
+        "gib",
+        "<= 0.93 (1 GB)",
+        spread=False,
+        expect={"mooncake_12031_num_requests": 12031},
+    ),
+    BenchFigure(
+        "Mooncake conversation: slope of CPU s against requests, 1,000 to 12,031",
+        SIM,
+        "mooncake_slope",
+        "ratio",
+        "<= 1.02",
+        expect={"mooncake_slope_small_requests": 1000, "mooncake_slope_large_requests": 12031},
+    ),
+    *(
+        BenchFigure(
+            f"scheduler, {num_seqs} running, block-hash: us of CPU per sequence per step",
+            f"test_scheduler_cpu_per_running_sequence_step[{num_seqs}-sim]",
+            "block_hash_us_per_seq_step",
+            "us",
+            "<= 2",
+        )
+        for num_seqs in (16, 256)
+    ),
+    BenchFigure(
+        "prefix caching at 0 % hits, simulation: CPU overhead",
+        "test_prefix_cache_overhead_at_zero_hits_in_simulation",
+        "overhead",
+        "signed_percent",
+        "<= +2 %",
+    ),
+    *(
+        BenchFigure(
+            f"block pool, {mix}: per-op cost at 16x the blocks / 1x",
+            f"test_block_pool_pairs[{mix}]",
+            "cost_ratio_16x",
+            "ratio",
+            "flat (1.0)",
+        )
+        for mix in ("single", "batched64", "revive")
+    ),
+)
+
+
+def load_benchmarks(paths: Sequence[Path]) -> dict[str, Mapping[str, Any]]:
+    """The benchmarks of pytest-benchmark JSON files by ``name``. Raises FiguresError on
+    an unreadable file, one without a ``benchmarks`` list, or a name in two files."""
+    found: dict[str, Mapping[str, Any]] = {}
+    source: dict[str, Path] = {}
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise FiguresError(f"{path}: not a readable pytest-benchmark JSON file ({exc})") from None
+        benchmarks = data.get("benchmarks") if isinstance(data, dict) else None
+        if not isinstance(benchmarks, list):
+            raise FiguresError(f"{path}: no 'benchmarks' list (write it with pytest --benchmark-json FILE)")
+        for bench in benchmarks:
+            name = bench.get("name") if isinstance(bench, dict) else None
+            if not isinstance(name, str) or not isinstance(bench.get("extra_info"), dict):
+                raise FiguresError(f"{path}: a benchmark without a name or extra_info: {str(bench)[:120]}")
+            if name in found:
+                raise FiguresError(f"{path}: benchmark {name!r} is also in {source[name]}")
+            found[name], source[name] = bench, path
+    return found
+
+
+def _bench_value(figure: BenchFigure, info: Mapping[str, Any], key: str) -> float:
+    value = info.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise FiguresError(f"{figure.test}: extra_info has no number {key!r} (for {figure.label!r})")
+    return float(value)
+
+
+def render_bench_table(benchmarks: Mapping[str, Mapping[str, Any]]) -> Table:
+    """The ``sim_speed`` table from ``load_benchmarks``' result: one row per BENCH_FIGURES
+    entry, the probe (median over the rows' benchmarks) below. Raises FiguresError naming
+    the benchmark and key that is missing or that ran with other settings than the label's."""
+    rows = []
+    used: dict[str, Mapping[str, Any]] = {}  # each benchmark's probe counts once
+    for figure in BENCH_FIGURES:
+        bench = benchmarks.get(figure.test)
+        if bench is None:
+            raise FiguresError(f"no benchmark {figure.test!r} in the JSON (for {figure.label!r})")
+        info = bench["extra_info"]
+        for key, wanted in figure.expect.items():
+            if info.get(key) != wanted:
+                raise FiguresError(
+                    f"{figure.test}: extra_info {key!r} is {info.get(key)!r}, the figure {figure.label!r} "
+                    f"needs {wanted!r}"
+                )
+        style = BENCH_STYLES[figure.style]
+        if figure.spread:
+            cells = [style(_bench_value(figure, info, f"{figure.key}_{s}")) for s in ("min", "median", "max")]
+        else:
+            cells = ["-", style(_bench_value(figure, info, figure.key)), "-"]
+        before = _bench_value(figure, info, "load_avg_1m_before")
+        after = _bench_value(figure, info, "load_avg_1m_after")
+        rounds = int(_bench_value(figure, info, "rounds"))
+        rows.append((figure.label, *cells, str(rounds), f"{before:.2f} -> {after:.2f}", figure.goal))
+        used[figure.test] = info
+    probes: dict[str, list[float]] = {}
+    for info in used.values():
+        for key, value in info.items():
+            if key.startswith("probe_") and isinstance(value, int | float) and not isinstance(value, bool):
+                probes.setdefault(key, []).append(float(value))
+    parts = [
+        f"{statistics.median(probes[key]):.3g} {unit}"
+        for key, unit in (
+            ("probe_compute_gflops", "GFLOP/s fp32 matmul"),
+            ("probe_memory_gbps", "GB/s copy"),
+            ("probe_python_mops", "M Python loop iterations/s"),
+        )
+        if key in probes
+    ]
+    line = (
+        f"Measured at machine-speed probe (median over the benchmarks): {', '.join(parts) or 'not recorded'}."
+    )
+    return Table(BENCH_HEADERS, tuple(rows), tuple(True for _ in BENCH_HEADERS[1:]), line)
+
+
+def bench_markdown(table: Table) -> str:
+    """The README block of the ``sim_speed`` table (without its markers)."""
+    align = ["---", *("---:" for _ in table.headers[1:])]
+    lines = [BENCH_CAPTION, "", _line(table.headers), _line(align), *(_line(row) for row in table.rows)]
+    return "\n".join([*lines, "", table.probe_line])
+
+
+def check_bench_block(text: str, table: Table) -> list[str]:
+    """The differences between README.md's ``sim_speed`` block and ``table`` in headers
+    and row labels (every cell is timed)."""
+    figure = Figure(BENCH_BLOCK, BENCH_CAPTION, BENCH_HEADERS[0], (), ())
+    return check_block(text, figure, table)
+
+
 # --------------------------------------------------------------------------- command line
 def sweep_dir(figure: Figure, results_dir: Path) -> Path:
     return BASELINES / figure.experiment if figure.baseline else results_dir / figure.experiment
@@ -428,10 +627,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--results", default="results", help="where the sweeps are (DIR/EXPERIMENT)")
     parser.add_argument("--run", action="store_true", help="run the sweeps first (complete runs are kept)")
     parser.add_argument("--only", nargs="+", choices=sorted(FIGURES_BY_NAME), help="these tables only")
+    parser.add_argument(
+        "--benchmark-json",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help=f"render the {BENCH_BLOCK} block from these pytest-benchmark JSON files instead",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="replace the tables in README.md")
     mode.add_argument("--check", action="store_true", help="exit 1 if a deterministic figure is stale")
     args = parser.parse_args(argv)
+    if args.benchmark_json:
+        return bench_main(args.benchmark_json, write=args.write, check=args.check)
     results_dir = Path(args.results).resolve()
     chosen = [FIGURES_BY_NAME[name] for name in args.only] if args.only else list(FIGURES)
     text = README.read_text()
@@ -457,6 +665,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stale: {problem}", file=sys.stderr)
     if args.check and not problems:
         print(f"readme_figures: {len(chosen)} table(s) match the results")
+    return 1 if problems else 0
+
+
+def bench_main(paths: Sequence[Path], *, write: bool, check: bool) -> int:
+    """``main`` for ``--benchmark-json``: print, write or check the ``sim_speed`` block."""
+    try:
+        table = render_bench_table(load_benchmarks(paths))
+        text = README.read_text()
+        if check:
+            problems = check_bench_block(text, table)
+        elif write:
+            README.write_text(replace_block(text, BENCH_BLOCK, bench_markdown(table)))
+            print(f"readme_figures: wrote the {BENCH_BLOCK} block into {README}")
+            return 0
+        else:
+            print(bench_markdown(table))
+            return 0
+    except FiguresError as exc:
+        print(f"readme_figures: {exc}", file=sys.stderr)
+        return 2
+    for problem in problems:
+        print(f"stale: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"readme_figures: the {BENCH_BLOCK} block matches the benchmarks' rows")
     return 1 if problems else 0
 
 

@@ -105,3 +105,111 @@ def test_write_then_check_round_trips() -> None:
     assert rf.check_block(emptied, figure, table) == ["gqa_vs_mha: README.md's block has no table"]
     written = rf.replace_block(emptied, "gqa_vs_mha", rf.markdown(figure, table))
     assert rf.check_block(written, figure, table) == []
+
+
+# --------------------------------------------------------------------------- sim_speed block
+def _bench_json(path, **overrides) -> None:
+    """A pytest-benchmark JSON file holding every benchmark the sim_speed block reads,
+    with figures 1 / 2 / 3 (scaled per style) and the round context; ``overrides`` replace
+    a benchmark's extra_info entries, keyed by benchmark name."""
+    import json
+
+    benchmarks = {}
+    for figure in rf.BENCH_FIGURES:
+        info = benchmarks.setdefault(
+            figure.test,
+            {
+                "rounds": 5,
+                "clock": "process_time",
+                "load_avg_1m_before": 1.5,
+                "load_avg_1m_after": 2.25,
+                "probe_compute_gflops": 200.0,
+                "probe_memory_gbps": 14.0,
+                "probe_python_mops": 40.0 + len(benchmarks),
+                "probe_cuda_tflops": None,
+            },
+        )
+        info.update(figure.expect)
+        if figure.spread:
+            info.update({f"{figure.key}_min": 1.0, f"{figure.key}_median": 2.0, f"{figure.key}_max": 3.0})
+        else:
+            info[figure.key] = 0.75 * 2**30
+    for name, changes in overrides.items():
+        benchmarks[name].update(changes)
+    data = {
+        "machine_info": {"node": "ci"},
+        "benchmarks": [
+            {"name": name, "fullname": f"x.py::{name}", "extra_info": info}
+            for name, info in benchmarks.items()
+        ],
+    }
+    path.write_text(json.dumps(data))
+
+
+def test_sim_speed_block_renders_medians_spread_rounds_load_and_probe(tmp_path) -> None:
+    _bench_json(
+        tmp_path / "bench.json", test_sim_sharegpt_like_requests_per_second={"requests_per_cpu_s_max": 5432.1}
+    )
+    table = rf.render_bench_table(rf.load_benchmarks([tmp_path / "bench.json"]))
+    rows = {row[0]: row[1:] for row in table.rows}
+    assert len(rows) == len(rf.BENCH_FIGURES)
+    assert rows["ShareGPT-like, requests/s of CPU"] == ("1", "2", "5,432", "5", "1.50 -> 2.25", ">= 5,000")
+    assert rows["Mooncake conversation, 12,031 requests at 128K: peak RSS GiB"][:3] == ("-", "0.75", "-")
+    assert rows["prefix caching at 0 % hits, simulation: CPU overhead"][:3] == (
+        "+100.0 %",
+        "+200.0 %",
+        "+300.0 %",
+    )
+    assert rows["block pool, revive: per-op cost at 16x the blocks / 1x"][:3] == ("1.000", "2.000", "3.000")
+    # The probe line: medians over the benchmarks (python_mops differs per benchmark).
+    num_benchmarks = len({figure.test for figure in rf.BENCH_FIGURES})
+    python_mops = 40.0 + (num_benchmarks - 1) / 2
+    assert table.probe_line == (
+        "Measured at machine-speed probe (median over the benchmarks): 200 GFLOP/s fp32 matmul, "
+        f"14 GB/s copy, {python_mops:.3g} M Python loop iterations/s."
+    )
+
+
+def test_sim_speed_block_write_then_check_round_trips(tmp_path) -> None:
+    _bench_json(tmp_path / "bench.json")
+    table = rf.render_bench_table(rf.load_benchmarks([tmp_path / "bench.json"]))
+    begin, end = rf.markers(rf.BENCH_BLOCK)
+    readme = f"# x\n{begin}\n{end}\n"
+    assert rf.check_bench_block(readme, table) == ["sim_speed: README.md's block has no table"]
+    written = rf.replace_block(readme, rf.BENCH_BLOCK, rf.bench_markdown(table))
+    assert rf.check_bench_block(written, table) == []
+    assert (
+        written.count("| ShareGPT-like, requests/s of CPU | 1 | 2 | 3 | 5 | 1.50 -> 2.25 | >= 5,000 |") == 1
+    )
+    # Timed cells may change; a renamed row may not.
+    assert rf.check_bench_block(written.replace("| 1 | 2 | 3 |", "| 1 | 9 | 3 |", 1), table) == []
+    assert rf.check_bench_block(written.replace("ShareGPT-like", "ShareGPT"), table)
+
+
+def test_sim_speed_block_refuses_a_run_at_other_settings(tmp_path) -> None:
+    sim = "test_sim_mooncake_conversation_llama3_70b"
+    _bench_json(tmp_path / "bench.json", **{sim: {"mooncake_12031_num_requests": 300}})
+    with pytest.raises(
+        rf.FiguresError, match="'mooncake_12031_num_requests' is 300, the figure .* needs 12031"
+    ):
+        rf.render_bench_table(rf.load_benchmarks([tmp_path / "bench.json"]))
+
+
+def test_sim_speed_block_refuses_missing_and_duplicate_benchmarks(tmp_path) -> None:
+    import json
+
+    _bench_json(tmp_path / "a.json")
+    data = json.loads((tmp_path / "a.json").read_text())
+    data["benchmarks"] = [b for b in data["benchmarks"] if b["name"] != "test_block_pool_pairs[single]"]
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(rf.FiguresError, match=r"no benchmark 'test_block_pool_pairs\[single\]' in the JSON"):
+        rf.render_bench_table(rf.load_benchmarks([tmp_path / "b.json"]))
+    with pytest.raises(rf.FiguresError, match="is also in"):
+        rf.load_benchmarks([tmp_path / "a.json", tmp_path / "b.json"])
+    del data["benchmarks"][0]["extra_info"]["rounds"]
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    with pytest.raises(rf.FiguresError, match="extra_info has no number 'rounds'"):
+        rf.render_bench_table(rf.load_benchmarks([tmp_path / "c.json"]))
+    (tmp_path / "d.json").write_text("{}")
+    with pytest.raises(rf.FiguresError, match="no 'benchmarks' list"):
+        rf.load_benchmarks([tmp_path / "d.json"])
