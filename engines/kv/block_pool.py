@@ -69,7 +69,7 @@ class BlockPool:
     empty; call ``num_free`` first.
     """
 
-    __slots__ = ("num_blocks", "_st", "_counts", "_reuse_listener")
+    __slots__ = ("num_blocks", "_st", "_ref_at", "_cached_at", "_counts", "_reuse_listener")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
@@ -87,6 +87,10 @@ class BlockPool:
         st[PREV, 0] = sentinel
         st[PREV, sentinel] = num_blocks - 1 if num_blocks else sentinel
         self._st = st
+        # Rows REF and CACHED as Python-int views of the same memory, for per-block
+        # queries from Python (half the cost of a numpy scalar read).
+        self._ref_at = memoryview(st[REF])
+        self._cached_at = memoryview(st[CACHED])
         # NUM_FREE, NUM_CACHED_FREE, NUM_RECLAIMABLE, REF_VERSION.
         self._counts = np.array([num_blocks, 0, 0, 0], dtype=np.int64)
         self._reuse_listener: Callable[[list[int]], None] | None = None
@@ -116,7 +120,7 @@ class BlockPool:
         return int(self._counts[REF_VERSION])
 
     def ref_count(self, block_id: int) -> int:
-        return int(self._st[REF, self._id(block_id)])
+        return self._ref_at[self._id(block_id)]
 
     def num_unreferenced(self, block_ids: Iterable[int]) -> int:
         """How many of ``block_ids`` have no reference (free or cached-free). Pure."""
@@ -130,7 +134,7 @@ class BlockPool:
         return int(self._st[SOFT, self._id(block_id)])
 
     def is_cached(self, block_id: int) -> bool:
-        return bool(self._st[CACHED, self._id(block_id)])
+        return self._cached_at[self._id(block_id)] != 0
 
     @property
     def state(self) -> np.ndarray:
@@ -148,8 +152,7 @@ class BlockPool:
     def is_exclusive(self, block_id: int) -> bool:
         """Whether exactly one reference holds the block and no prefix index registered it:
         its holder may write any slot in place. The KV manager's decode fast path. Pure."""
-        st = self._st
-        return st[REF, block_id] == 1 and not st[CACHED, block_id]
+        return self._ref_at[block_id] == 1 and not self._cached_at[block_id]
 
     def free_blocks(self) -> list[int]:
         """Free block ids from head (next reused) to tail. O(num_free); for tests and checks."""
@@ -185,7 +188,10 @@ class BlockPool:
         """
         if self._counts[NUM_FREE] == 0:
             raise MemoryError(f"BlockPool: no free block (num_blocks={self.num_blocks})")
-        return self.allocate_many(1)[0]
+        b, was_cached = native.allocate_one(self._st, self._counts)
+        if was_cached and self._reuse_listener is not None:
+            self._reuse_listener([b])
+        return b
 
     def allocate_many(self, num_blocks: int) -> list[int]:
         """``allocate`` ``num_blocks`` times (head first): the same blocks, flags and listener
@@ -209,7 +215,8 @@ class BlockPool:
     def incref(self, block_id: int) -> None:
         """Add one (hard) reference. A free block leaves the free list (a cached block is
         revived with its KV intact)."""
-        self.incref_many((block_id,))
+        if not native.incref_one(self._st, self._counts, block_id):
+            self._id(block_id)
 
     def incref_many(self, block_ids: Iterable[int]) -> None:
         """``incref`` each block in order (a prefix hit attaches hundreds of blocks at once).
@@ -226,7 +233,10 @@ class BlockPool:
         A freed block goes to the free-list tail (reused last) and keeps its cached flag.
         Raises ValueError when the block has no hard reference left.
         """
-        return self.free_many((block_id,)) == 1
+        freed = native.decref_one(self._st, self._counts, block_id)
+        if freed < 0:
+            self._no_hard_reference(block_id)
+        return freed == 1
 
     def free_many(self, block_ids: Iterable[int]) -> int:
         """``decref`` each block in the given order; returns how many became free (they join
@@ -235,10 +245,7 @@ class BlockPool:
         ids = _ids(block_ids)
         num_freed, bad = native.free_many(self._st, self._counts, ids)
         if bad >= 0:
-            b = int(ids[bad])
-            self._id(b)
-            r, s = int(self._st[REF, b]), int(self._st[SOFT, b])
-            raise ValueError(f"BlockPool.decref: block {b} has no hard reference (ref_count={r}, soft={s})")
+            self._no_hard_reference(int(ids[bad]))
         return int(num_freed)
 
     def set_cached_many(self, block_ids: Iterable[int]) -> None:
@@ -271,6 +278,12 @@ class BlockPool:
         if s == self._st[REF, b]:
             self._counts[NUM_RECLAIMABLE] -= 1
         self._st[SOFT, b] = s - 1
+
+    def _no_hard_reference(self, block_id: int) -> None:
+        """Raise for a decref the pool refused: IndexError outside the pool, else ValueError."""
+        b = self._id(block_id)
+        r, s = int(self._st[REF, b]), int(self._st[SOFT, b])
+        raise ValueError(f"BlockPool.decref: block {b} has no hard reference (ref_count={r}, soft={s})")
 
     def _id(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:

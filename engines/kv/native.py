@@ -63,6 +63,70 @@ def allocate_many(st, counts, num_blocks):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def allocate_one(st, counts):  # pragma: no cover - compiled
+    """``allocate_many(st, counts, 1)`` without arrays (the caller checked a block is
+    free): returns (the block, whether it was cached)."""
+    sentinel = st.shape[1] - 1
+    b = st[NEXT, sentinel]
+    after = st[NEXT, b]
+    st[NEXT, sentinel] = after
+    st[PREV, after] = sentinel
+    counts[NUM_FREE] -= 1
+    st[REF, b] = 1
+    was_cached = st[CACHED, b] != 0
+    if was_cached:
+        st[CACHED, b] = 0
+        counts[NUM_CACHED_FREE] -= 1
+    return b, was_cached
+
+
+@njit(cache=True, nogil=True)
+def incref_one(st, counts, b):  # pragma: no cover - compiled
+    """``incref_many`` of one block: returns False for an id outside the pool."""
+    if b < 0 or b >= st.shape[1] - 1:
+        return False
+    counts[REF_VERSION] += 1
+    r = st[REF, b]
+    if r == 0:
+        p = st[PREV, b]
+        nx = st[NEXT, b]
+        st[NEXT, p] = nx
+        st[PREV, nx] = p
+        counts[NUM_FREE] -= 1
+        if st[CACHED, b]:
+            counts[NUM_CACHED_FREE] -= 1
+    elif r == st[SOFT, b]:
+        counts[NUM_RECLAIMABLE] -= 1
+    st[REF, b] = r + 1
+    return True
+
+
+@njit(cache=True, nogil=True)
+def decref_one(st, counts, b):  # pragma: no cover - compiled
+    """``free_many`` of one block: 1 when it became free, 0 when still held, -1 for an id
+    outside the pool or a block without a hard reference (nothing changed)."""
+    sentinel = st.shape[1] - 1
+    if b < 0 or b >= sentinel or st[REF, b] - 1 < st[SOFT, b]:
+        return -1
+    counts[REF_VERSION] += 1
+    r = st[REF, b] - 1
+    st[REF, b] = r
+    if r == 0:
+        tail = st[PREV, sentinel]
+        st[NEXT, tail] = b
+        st[PREV, b] = tail
+        st[NEXT, b] = sentinel
+        st[PREV, sentinel] = b
+        counts[NUM_FREE] += 1
+        if st[CACHED, b]:
+            counts[NUM_CACHED_FREE] += 1
+        return 1
+    if r == st[SOFT, b]:
+        counts[NUM_RECLAIMABLE] += 1
+    return 0
+
+
+@njit(cache=True, nogil=True)
 def incref_many(st, counts, block_ids):  # pragma: no cover - compiled
     """One hard reference more on each block, in order; a free block leaves the free list.
     Returns the position of the first bad id, or -1."""

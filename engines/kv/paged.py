@@ -171,6 +171,10 @@ class PagedKVManager(SeqTable):
         # (int64 arrays: the compiled loops in native.py update them for whole tables).
         self._seq_refs = np.zeros(num_blocks, dtype=np.int64)
         self._claimed = np.zeros(num_blocks, dtype=np.int64)
+        # The same memory as Python-int views: per-block reads and writes from Python
+        # (decode fast paths) cost half a numpy scalar access.
+        self._seq_refs_at = memoryview(self._seq_refs)
+        self._claimed_at = memoryview(self._claimed)
         self._num_blocks_in_use = 0  # blocks with a sequence reference
         self._num_token_slots = 0  # sum of claimed slots over blocks in use
         # Cumulative counters.
@@ -251,7 +255,7 @@ class PagedKVManager(SeqTable):
             offset = seq.num_tokens % self.block_size
             if offset and offset + num_new_tokens <= self.block_size:
                 last = seq.block_ids[-1]
-                if self._claimed[last] <= offset or self.pool.is_exclusive(last):
+                if self._claimed_at[last] <= offset or self.pool.is_exclusive(last):
                     return True
         seq = self._resident(seq_id, "can_append")
         need = self._num_blocks_needed(seq.num_tokens, seq.block_ids, num_new_tokens, held=True)
@@ -273,10 +277,10 @@ class PagedKVManager(SeqTable):
             end = offset + num_new_tokens
             if offset and end <= self.block_size:
                 last = seq.block_ids[-1]
-                claimed = int(self._claimed[last])
+                claimed = self._claimed_at[last]
                 if claimed <= offset or self.pool.is_exclusive(last):
                     self._num_token_slots += end - claimed  # a sole holder overwrites stale claims
-                    self._claimed[last] = end
+                    self._claimed_at[last] = end
                     seq.num_tokens += num_new_tokens
                     return NO_OPS
         seq = self._resident(seq_id, "append")
@@ -607,7 +611,7 @@ class PagedKVManager(SeqTable):
         # a block its parent filled and registered must not overwrite the parent's tokens.
         other_holders = self.pool.ref_count(block) - (1 if held else 0)
         shared = other_holders > 0 or self.pool.is_cached(block)
-        return shared and self._claimed[block] > offset
+        return shared and self._claimed_at[block] > offset
 
     def _grow(self, seq: _Seq, num_new: int) -> KVOps:
         if num_new <= 0:
@@ -656,16 +660,16 @@ class PagedKVManager(SeqTable):
 
     def _new_block(self) -> int:
         b = self.pool.allocate()
-        self._claimed[b] = 0  # fresh KV: nothing claimed (the block has no sequence refs yet)
+        self._claimed_at[b] = 0  # fresh KV: nothing claimed (the block has no sequence refs yet)
         self._add_seq_ref(b)
         return b
 
     def _add_seq_ref(self, b: int) -> None:
-        r = self._seq_refs[b]
+        r = self._seq_refs_at[b]
         if r == 0:
             self._num_blocks_in_use += 1
-            self._num_token_slots += int(self._claimed[b])
-        self._seq_refs[b] = r + 1
+            self._num_token_slots += self._claimed_at[b]
+        self._seq_refs_at[b] = r + 1
 
     def _add_seq_refs(self, block_ids: Sequence[int]) -> None:
         """``_add_seq_ref`` for each block (a prefix hit attaches hundreds)."""
@@ -676,16 +680,16 @@ class PagedKVManager(SeqTable):
         self._num_token_slots += int(slots)
 
     def _drop_seq_ref(self, b: int) -> None:
-        r = self._seq_refs[b] - 1
-        self._seq_refs[b] = r
+        r = self._seq_refs_at[b] - 1
+        self._seq_refs_at[b] = r
         if r == 0:
             self._num_blocks_in_use -= 1
-            self._num_token_slots -= int(self._claimed[b])
+            self._num_token_slots -= self._claimed_at[b]
 
     def _set_claimed(self, b: int, num_slots: int) -> None:
-        if self._seq_refs[b]:
-            self._num_token_slots += num_slots - int(self._claimed[b])
-        self._claimed[b] = num_slots
+        if self._seq_refs_at[b]:
+            self._num_token_slots += num_slots - self._claimed_at[b]
+        self._claimed_at[b] = num_slots
 
     def _exclusive_indexes(self, seq: _Seq) -> list[int]:
         return [i for i, b in enumerate(seq.block_ids) if self.pool.ref_count(b) == 1]
@@ -821,7 +825,7 @@ class DecodeRun:
             if after_step is not None:
                 after_step(t)
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped).
-        claimed, seq_refs = kv._claimed, kv._seq_refs
+        claimed, seq_refs = kv._claimed_at, kv._seq_refs_at
         stale = 0  # a partial block's stale claims, overwritten by the first step
         for seq, before in zip(self._seqs, befores):
             table = seq.block_ids
@@ -829,7 +833,7 @@ class DecodeRun:
             offset = before % bs
             if offset:
                 last = table[(before - 1) // bs]
-                stale += offset - int(claimed[last])
+                stale += offset - claimed[last]
                 claimed[last] = min(bs, offset + num_steps)
             for b in table[-(-before // bs) :]:
                 claimed[b] = bs

@@ -131,12 +131,18 @@ class BlockKeyChain:
 def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
     """Ids ``[start, stop)`` of ``token_ids`` as a numpy array: a slice of an
     ``ArrayTokenIds``' prompt array (directly or through a view) when the range lies in
-    it, else a copy."""
+    it, else a copy (for a decode block, of its appended tail only)."""
     tokens, offset = token_ids, 0
     if isinstance(tokens, TokenSpan):
         tokens, offset = tokens._tokens, tokens._start
-    if isinstance(tokens, ArrayTokenIds) and offset + stop <= len(tokens.array):
-        return tokens.array[offset + start : offset + stop]
+    if isinstance(tokens, ArrayTokenIds):
+        array = tokens.array
+        start += offset
+        stop += offset
+        if stop <= len(array):
+            return array[start:stop]
+        if start >= len(array):
+            return np.array(tokens.tail[start - len(array) : stop - len(array)], dtype=np.int64)
     return np.asarray(token_ids[start:stop], dtype=np.int64)
 
 
