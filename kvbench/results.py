@@ -24,7 +24,7 @@ run.json is a kvbench record naming this directory as its ``run_id``; in both ca
 holds nothing but the files listed above. Anything else is refused and left untouched.
 A rerun swaps the new directory in with one atomic ``renameat2(RENAME_EXCHANGE)`` on
 Linux; where that is unavailable the old run is first renamed to a hidden
-``.<run>.old-XXXXXXXX`` sibling, and a process killed before the new one takes its place
+``.<run>.old-<suffix>`` sibling, and a process killed before the new one takes its place
 leaves that sibling, which ``find_runs``, ``load`` and ``is_complete`` read as the run.
 The sweep tables (``runs.parquet``, ``runs.csv``) are replaced only in a directory
 carrying the ``.kvbench-sweep`` marker, or when the existing file is a kvbench sweep
@@ -320,7 +320,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _sibling(run_dir: Path, kind: str) -> Path:
-    """A fresh hidden sibling of ``run_dir``: ``.<name>.<kind>-XXXXXXXX`` (find_runs skips it)."""
+    """A fresh hidden sibling of ``run_dir``: ``.<name>.<kind>-<suffix>``, the suffix 8 random hex digits (find_runs skips it)."""
     return run_dir.parent / f".{run_dir.name}.{kind}-{uuid.uuid4().hex[:8]}"
 
 
@@ -455,7 +455,7 @@ def _is_unmarked_run(run_dir: Path, run_id: str) -> bool:
 
 
 def _orphaned_run(run_dir: Path) -> Path | None:
-    """The run a writer killed mid-replace left at ``.<name>.old-XXXXXXXX`` while ``run_dir`` is missing.
+    """The run a writer killed mid-replace left at ``.<name>.old-<suffix>`` while ``run_dir`` is missing.
 
     None when ``run_dir`` exists or no such sibling holds a run.json; the newest one otherwise.
     """
@@ -584,7 +584,7 @@ def is_sweep_table(path: str | os.PathLike[str]) -> bool:
 # --------------------------------------------------------------------------- reading
 def find_runs(path: str | os.PathLike[str]) -> list[Path]:
     """Run directories at or under ``path`` (those with a run.json), sorted; hidden ones skipped,
-    except a run left under ``.<name>.old-XXXXXXXX`` by a writer killed mid-replace while
+    except a run left under ``.<name>.old-<suffix>`` by a writer killed mid-replace while
     ``<name>`` is missing."""
     path = Path(path)
     path = _orphaned_run(path) or path

@@ -81,11 +81,8 @@ def allocate_one(st, counts):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def incref_one(st, counts, b):  # pragma: no cover - compiled
-    """``incref_many`` of one block: returns False for an id outside the pool."""
-    if b < 0 or b >= st.shape[1] - 1:
-        return False
-    counts[REF_VERSION] += 1
+def _incref(st, counts, b):  # pragma: no cover - compiled
+    """One hard reference more on block ``b`` (a valid id); a free block leaves the free list."""
     r = st[REF, b]
     if r == 0:
         p = st[PREV, b]
@@ -96,19 +93,15 @@ def incref_one(st, counts, b):  # pragma: no cover - compiled
         if st[CACHED, b]:
             counts[NUM_CACHED_FREE] -= 1
     elif r == st[SOFT, b]:
-        counts[NUM_RECLAIMABLE] -= 1
+        counts[NUM_RECLAIMABLE] -= 1  # a hard reference pins a reclaimable block
     st[REF, b] = r + 1
-    return True
 
 
 @njit(cache=True, nogil=True)
-def decref_one(st, counts, b):  # pragma: no cover - compiled
-    """``free_many`` of one block: 1 when it became free, 0 when still held, -1 for an id
-    outside the pool or a block without a hard reference (nothing changed)."""
+def _decref(st, counts, b):  # pragma: no cover - compiled
+    """One hard reference less on block ``b`` (a valid id holding one); a block left with
+    none joins the free list's tail. Returns 1 when it became free, else 0."""
     sentinel = st.shape[1] - 1
-    if b < 0 or b >= sentinel or st[REF, b] - 1 < st[SOFT, b]:
-        return -1
-    counts[REF_VERSION] += 1
     r = st[REF, b] - 1
     st[REF, b] = r
     if r == 0:
@@ -127,6 +120,26 @@ def decref_one(st, counts, b):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def incref_one(st, counts, b):  # pragma: no cover - compiled
+    """``incref_many`` of one block: returns False for an id outside the pool."""
+    if b < 0 or b >= st.shape[1] - 1:
+        return False
+    counts[REF_VERSION] += 1
+    _incref(st, counts, b)
+    return True
+
+
+@njit(cache=True, nogil=True)
+def decref_one(st, counts, b):  # pragma: no cover - compiled
+    """``free_many`` of one block: 1 when it became free, 0 when still held, -1 for an id
+    outside the pool or a block without a hard reference (nothing changed)."""
+    if b < 0 or b >= st.shape[1] - 1 or st[REF, b] - 1 < st[SOFT, b]:
+        return -1
+    counts[REF_VERSION] += 1
+    return _decref(st, counts, b)
+
+
+@njit(cache=True, nogil=True)
 def incref_many(st, counts, block_ids):  # pragma: no cover - compiled
     """One hard reference more on each block, in order; a free block leaves the free list.
     Returns the position of the first bad id, or -1."""
@@ -136,18 +149,7 @@ def incref_many(st, counts, block_ids):  # pragma: no cover - compiled
         b = block_ids[i]
         if b < 0 or b >= n:
             return i
-        r = st[REF, b]
-        if r == 0:
-            p = st[PREV, b]
-            nx = st[NEXT, b]
-            st[NEXT, p] = nx
-            st[PREV, nx] = p
-            counts[NUM_FREE] -= 1
-            if st[CACHED, b]:
-                counts[NUM_CACHED_FREE] -= 1
-        elif r == st[SOFT, b]:
-            counts[NUM_RECLAIMABLE] -= 1  # a hard reference pins a reclaimable block
-        st[REF, b] = r + 1
+        _incref(st, counts, b)
     return -1
 
 
@@ -157,35 +159,14 @@ def free_many(st, counts, block_ids):  # pragma: no cover - compiled
     free list's tail. Returns (blocks freed, position of the first block without a hard
     reference or with a bad id, else -1)."""
     n = st.shape[1] - 1
-    sentinel = n
     counts[REF_VERSION] += 1
-    tail = st[PREV, sentinel]
     num_freed = 0
-    bad = -1
     for i in range(block_ids.shape[0]):
         b = block_ids[i]
-        if b < 0 or b >= n:
-            bad = i
-            break
-        r = st[REF, b] - 1
-        s = st[SOFT, b]
-        if r < s:
-            bad = i
-            break
-        st[REF, b] = r
-        if r == 0:
-            st[NEXT, tail] = b
-            st[PREV, b] = tail
-            tail = b
-            num_freed += 1
-            if st[CACHED, b]:
-                counts[NUM_CACHED_FREE] += 1
-        elif r == s:
-            counts[NUM_RECLAIMABLE] += 1
-    st[NEXT, tail] = sentinel
-    st[PREV, sentinel] = tail
-    counts[NUM_FREE] += num_freed
-    return num_freed, bad
+        if b < 0 or b >= n or st[REF, b] - 1 < st[SOFT, b]:
+            return num_freed, i
+        num_freed += _decref(st, counts, b)
+    return num_freed, -1
 
 
 @njit(cache=True, nogil=True)

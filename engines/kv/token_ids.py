@@ -174,9 +174,8 @@ class KeyedTokenIds(KeyCarrier, list):  # type: ignore[type-arg]  # a list[int]
     __slots__ = ("key_chain",)
 
     def __init__(self, token_ids: Iterable[int] = ()) -> None:
-        # Python ints throughout: block keys multiply ids by 64-bit constants, which
-        # numpy integers (from an array, or a tuple of its items) would overflow. An array
-        # converts in one C call.
+        # Python ints throughout, as the list stands for one: readers (outputs, results,
+        # comparisons) get ints, never numpy scalars. An array converts in one C call.
         super().__init__(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
         if not all(type(t) is int for t in self):
             self[:] = [int(t) for t in self]
