@@ -98,25 +98,22 @@ def _incref(st, counts, b):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _decref(st, counts, b):  # pragma: no cover - compiled
-    """One hard reference less on block ``b`` (a valid id holding one); a block left with
-    none joins the free list's tail. Returns 1 when it became free, else 0."""
-    sentinel = st.shape[1] - 1
+def _decref(st, counts, b, tail):  # pragma: no cover - compiled
+    """One hard reference less on block ``b`` (a valid id holding one). A block left with
+    none is linked after ``tail``; the caller links the sentinel after the last one (a
+    batch relinks it once). Returns the free list's tail: ``b`` when it became free."""
     r = st[REF, b] - 1
     st[REF, b] = r
     if r == 0:
-        tail = st[PREV, sentinel]
         st[NEXT, tail] = b
         st[PREV, b] = tail
-        st[NEXT, b] = sentinel
-        st[PREV, sentinel] = b
         counts[NUM_FREE] += 1
         if st[CACHED, b]:
             counts[NUM_CACHED_FREE] += 1
-        return 1
+        return b
     if r == st[SOFT, b]:
         counts[NUM_RECLAIMABLE] += 1
-    return 0
+    return tail
 
 
 @njit(cache=True, nogil=True)
@@ -136,7 +133,12 @@ def decref_one(st, counts, b):  # pragma: no cover - compiled
     if b < 0 or b >= st.shape[1] - 1 or st[REF, b] - 1 < st[SOFT, b]:
         return -1
     counts[REF_VERSION] += 1
-    return _decref(st, counts, b)
+    sentinel = st.shape[1] - 1
+    tail = st[PREV, sentinel]
+    new_tail = _decref(st, counts, b, tail)
+    st[NEXT, new_tail] = sentinel
+    st[PREV, sentinel] = new_tail
+    return 1 if new_tail != tail else 0
 
 
 @njit(cache=True, nogil=True)
@@ -160,13 +162,21 @@ def free_many(st, counts, block_ids):  # pragma: no cover - compiled
     reference or with a bad id, else -1)."""
     n = st.shape[1] - 1
     counts[REF_VERSION] += 1
+    tail = st[PREV, n]
     num_freed = 0
+    bad = -1
     for i in range(block_ids.shape[0]):
         b = block_ids[i]
         if b < 0 or b >= n or st[REF, b] - 1 < st[SOFT, b]:
-            return num_freed, i
-        num_freed += _decref(st, counts, b)
-    return num_freed, -1
+            bad = i
+            break
+        new_tail = _decref(st, counts, b, tail)
+        if new_tail != tail:
+            num_freed += 1
+            tail = new_tail
+    st[NEXT, tail] = n  # the sentinel after the last freed block
+    st[PREV, n] = tail
+    return num_freed, bad
 
 
 @njit(cache=True, nogil=True)
