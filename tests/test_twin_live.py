@@ -38,9 +38,10 @@ METRICS = (
 # step as the one computing a shared prefix already hits it; the twin does the same
 # (engine.register_blocks=on_schedule) and measured 1,792 (-3.4 %) in each of two live
 # runs (5 and 7 live preemptions, 5 in the twin). Registering on completion gave 1,376
-# (-26 %). Hits also depend on timing (which requests overlap), so the bound leaves about
-# three times the measured gap.
-PRESSURE_HIT_TOLERANCE = 0.10
+# (-26 %). Hits also depend on timing (which requests overlap, and the twin replays the
+# live run's arrivals): one CI run of otherwise passing code measured -10.2 %. The bound
+# sits between that spread and the -26 % of the wrong registration rule.
+PRESSURE_HIT_TOLERANCE = 0.15
 
 
 def live_then_twin(tmp_path: Path, *overrides: str) -> dict[str, dict[str, object]]:
