@@ -151,15 +151,26 @@ def chained_block_keys_into(tokens, multipliers, first_position, starts, out_a, 
     a = starts[0]
     b = starts[1]
     for j in range(out_a.shape[0]):
-        c = np.uint64(0)
-        base = j * bs
-        for k in range(bs):
-            c += np.uint64(tokens[base + k]) * multipliers[k]
-        position = np.uint64(first_position + j)
-        a += mix64_u64(c + position * _LANE_STEPS_U64[0] + _LANE_SEEDS_U64[0])
-        b += mix64_u64(c + position * _LANE_STEPS_U64[1] + _LANE_SEEDS_U64[1])
+        term_a, term_b = block_key_terms(tokens, j * bs, multipliers, first_position + j)
+        a += term_a
+        b += term_b
         out_a[j] = a
         out_b[j] = b
+
+
+@njit(cache=True, nogil=True)
+def block_key_terms(tokens, start, multipliers, position):  # pragma: no cover - compiled
+    """Both lanes' terms u_j of the block whose ids are ``tokens[start : start +
+    block_size]`` at block ``position`` of its sequence: a block's key is its
+    predecessor's key plus these (wrapping). The one compiled body of the definition above."""
+    c = np.uint64(0)
+    for k in range(multipliers.shape[0]):
+        c += np.uint64(tokens[start + k]) * multipliers[k]
+    p = np.uint64(position)
+    return (
+        mix64_u64(c + p * _LANE_STEPS_U64[0] + _LANE_SEEDS_U64[0]),
+        mix64_u64(c + p * _LANE_STEPS_U64[1] + _LANE_SEEDS_U64[1]),
+    )
 
 
 def prompt_block_keys(

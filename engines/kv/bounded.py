@@ -190,6 +190,11 @@ class BoundedKVManager(SeqTable):
                 self.pool.decref(b)
             del seq.block_ids[keep:]
 
+    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """``commit`` each entry in order."""
+        for seq_id, token_ids in entries:
+            self.commit(seq_id, token_ids)
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Not supported: an evicting sequence overwrites slots in place, so siblings cannot
         share blocks. Raises ValueError (the bounded engines reject n > 1 and beams up front)."""

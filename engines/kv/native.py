@@ -31,6 +31,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvbench.hashing import block_key_terms
+
 REF, SOFT, CACHED, NEXT, PREV = 0, 1, 2, 3, 4
 NUM_FREE, NUM_CACHED_FREE, NUM_RECLAIMABLE, REF_VERSION = 0, 1, 2, 3
 EMPTY = -1
@@ -202,11 +204,17 @@ def set_cached(st, counts, block_ids):  # pragma: no cover - compiled
         b = block_ids[i]
         if b < 0 or b >= n:
             return i
-        if not st[CACHED, b]:
-            st[CACHED, b] = 1
-            if st[REF, b] == 0:
-                counts[NUM_CACHED_FREE] += 1
+        _set_cached(st, counts, b)
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _set_cached(st, counts, b):  # pragma: no cover - compiled
+    """Flag block ``b`` (a valid id) cached; a free one counts as cached-free."""
+    if not st[CACHED, b]:
+        st[CACHED, b] = 1
+        if st[REF, b] == 0:
+            counts[NUM_CACHED_FREE] += 1
 
 
 @njit(cache=True, nogil=True)
@@ -260,25 +268,61 @@ def register_run(keys, vals, used, st, counts, block_hash, block_check, hashes, 
     registered = np.empty(block_ids.shape[0], dtype=np.int64)
     k = 0
     for j in range(block_ids.shape[0]):
-        h = hashes[start + j]
         b = block_ids[j]
-        i = _slot(keys, vals, h)
-        old = vals[i]
-        if old == EMPTY:
-            keys[i] = h
-            used[0] += 1
-        elif st[CACHED, old] and block_hash[old] == h:
-            continue  # a live entry keeps its block (a fresh block is never cached)
-        vals[i] = b
-        block_check[b] = checks[start + j]
-        block_hash[b] = h
-        registered[k] = b
-        k += 1
+        if _enter(keys, vals, used, st, block_hash, block_check, hashes[start + j], checks[start + j], b):
+            registered[k] = b
+            k += 1
     # Flags after the loop: a block registered above never counts as a live holder of a
     # later key in the same run.
     set_cached(st, counts, registered[:k])
     if 2 * used[0] > keys.shape[0]:
         rebuild(keys, vals, used, st, block_hash)
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _enter(keys, vals, used, st, block_hash, block_check, h, check, b):  # pragma: no cover - compiled
+    """Point key ``h`` (lane 1: ``check``) at block ``b`` unless a live entry holds it (the
+    first registration wins); the caller flags ``b`` cached. Returns whether it did."""
+    i = _slot(keys, vals, h)
+    old = vals[i]
+    if old == EMPTY:
+        keys[i] = h
+        used[0] += 1
+    elif st[CACHED, old] and block_hash[old] == h:
+        return False  # a live entry keeps its block (a fresh block is never cached)
+    vals[i] = b
+    block_check[b] = check
+    block_hash[b] = h
+    return True
+
+
+@njit(cache=True, nogil=True)
+def register_next(
+    keys, vals, used, st, counts, block_hash, block_check, multipliers, tokens, lanes, positions, block_ids
+):  # pragma: no cover - compiled
+    """Key and register the next full block of several sequences, entry by entry in order
+    (one step's decode commits). Entry ``e``: the block's ids are ``tokens[e * bs : (e + 1)
+    * bs]``, it is block ``positions[e]`` of its sequence, ``lanes[e]`` (uint64 [2]) is its
+    predecessor's key (or the chain start) and ``block_ids[e]`` its block. Each entry is
+    keyed as ``kvbench.hashing.chained_block_keys_into`` keys it and registered as a
+    ``register_run`` call of its own would register it, so a later entry sees an earlier
+    one's registration; ``lanes[e]`` is overwritten with the block's key. Returns how many
+    blocks were registered."""
+    bs = multipliers.shape[0]
+    k = 0
+    for e in range(block_ids.shape[0]):
+        term_a, term_b = block_key_terms(tokens, e * bs, multipliers, positions[e])
+        h = lanes[e, 0] + term_a
+        check = lanes[e, 1] + term_b
+        lanes[e, 0] = h
+        lanes[e, 1] = check
+        b = block_ids[e]
+        if _enter(keys, vals, used, st, block_hash, block_check, h, check, b):
+            _set_cached(st, counts, b)
+            k += 1
+        if 2 * used[0] > keys.shape[0]:
+            rebuild(keys, vals, used, st, block_hash)
     return k
 
 

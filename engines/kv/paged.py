@@ -351,13 +351,7 @@ class PagedKVManager(SeqTable):
         prefix index; where the index already holds a full block with the same KV, the
         sequence reads that one and drops its own copy (``PrefixIndex.commit``). Mutates:
         the index, the block table and references. ValueError when more tokens than slots."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.host_blocks is not None:
-            seq = self._resident(seq_id, "commit")  # raises naming the seq
-        if len(token_ids) > seq.num_tokens:
-            raise ValueError(
-                f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
-            )
+        seq = self._committing(seq_id, token_ids)
         table = seq.block_ids
         for index, block in self.prefix_index.commit(seq_id, token_ids, table, seq.extra_key):
             # A full block: every slot claimed, so the switch keeps the claimed-slot counts.
@@ -367,6 +361,33 @@ class PagedKVManager(SeqTable):
             self._add_seq_ref(block)
             self._drop_seq_ref(own)
             self.pool.decref(own)
+
+    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """``commit`` each entry in order. With an index that holds no blocks (whose commits
+        switch no table entries) every entry is checked first, then the index registers
+        them together (``PrefixIndex.commit_many``): nothing is committed when one is bad."""
+        index = self.prefix_index
+        if index.holds_blocks:
+            for seq_id, token_ids in entries:
+                self.commit(seq_id, token_ids)
+            return
+        rows = []
+        for seq_id, token_ids in entries:
+            seq = self._committing(seq_id, token_ids)
+            rows.append((seq_id, token_ids, seq.block_ids, seq.extra_key))
+        index.commit_many(rows)
+
+    def _committing(self, seq_id: int, token_ids: Sequence[int]) -> _Seq:
+        """The resident sequence ``seq_id`` may commit ``token_ids``: ValueError (naming it)
+        when it is not resident or has fewer slots than tokens. Pure."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.host_blocks is not None:
+            seq = self._resident(seq_id, "commit")  # raises naming the seq
+        if len(token_ids) > seq.num_tokens:
+            raise ValueError(
+                f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
+            )
+        return seq
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (ref count +1 each).

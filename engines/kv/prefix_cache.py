@@ -29,6 +29,10 @@ import numpy as np
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.token_ids import BlockKeyChain, KeyCarrier
+from kvbench.hashing import block_multipliers
+
+# ``PrefixIndex.commit_many``'s entries: (seq_id, token_ids, block_ids, extra_key), as ``commit`` takes them.
+CommitEntry = tuple[int, Sequence[int], Sequence[int], str | None]
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,16 @@ class PrefixIndex(Protocol):
         references."""
         ...
 
+    def commit_many(self, entries: Sequence[CommitEntry]) -> None:
+        """``commit`` each ``(seq_id, token_ids, block_ids, extra_key)`` entry in order, with
+        the same effect, for an index that holds no blocks (``holds_blocks`` False: its
+        commits return no pairs). One step's decode commits go here together, so an index
+        may key and register them in one pass. An index that holds blocks raises
+        TypeError: its caller must apply each commit's pairs before the next commit.
+        Mutates what ``commit`` does; raises as ``commit`` on the first bad entry, the
+        entries before it committed."""
+        ...
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Track ``child_seq_id`` as a copy of ``parent_seq_id``. Mutates: index bookkeeping."""
         ...
@@ -176,6 +190,9 @@ class NullPrefixIndex:
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
     ) -> tuple[tuple[int, int], ...]:
         return ()
+
+    def commit_many(self, entries: Sequence[CommitEntry]) -> None:
+        return None
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         return None
@@ -427,6 +444,75 @@ class BlockHashPrefixIndex:
         )
         state.num_blocks = num_full
         return ()
+
+    def commit_many(self, entries: Sequence[CommitEntry]) -> None:
+        """See ``PrefixIndex.commit_many``. An entry that completes exactly the next block
+        of a sequence whose chain is keyed up to its registrations (a decode commit) joins
+        a batch keyed and registered in one compiled call (``native.register_next``);
+        any other entry is a plain ``commit``, after the batch so far (registration order
+        decides which of two equal keys wins)."""
+        bs = self._block_size
+        seqs = self._seqs
+        batch: dict[int, tuple[_SeqHashState, BlockKeyChain]] = {}  # by seq: one entry each
+        tokens: list[int] = []  # the batch's blocks' ids, bs per entry
+        lanes: list[int] = []  # per entry: its predecessor's key, both lanes
+        places: list[int] = []  # per entry: the block's position in its sequence, its block
+        for seq_id, token_ids, block_ids, extra_key in entries:
+            state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
+            first = state.num_blocks
+            num_full = len(token_ids) // bs
+            if num_full <= first:
+                continue  # no new full block
+            chain = state.chain
+            if (
+                num_full == first + 1
+                and chain is not None
+                and chain.num_blocks == first
+                and len(block_ids) > first
+                and seq_id not in batch
+            ):
+                batch[seq_id] = (state, chain)
+                tokens += token_ids[first * bs : num_full * bs]
+                lanes += chain.last_key
+                places += (first, block_ids[first])
+                continue
+            if batch:
+                self._register_next(batch, tokens, lanes, places)
+                batch, tokens, lanes, places = {}, [], [], []
+            self.commit(seq_id, token_ids, block_ids, extra_key)
+        if batch:
+            self._register_next(batch, tokens, lanes, places)
+
+    def _register_next(
+        self,
+        batch: dict[int, tuple[_SeqHashState, BlockKeyChain]],
+        tokens: list[int],
+        lanes: list[int],
+        places: list[int],
+    ) -> None:
+        """Key and register each batch entry's next block (``commit_many``'s lists); the
+        chains gain the keys and the states count the blocks. Mutates the index, chains and
+        pool flags."""
+        pool = self._bound_pool()
+        keys = np.array(lanes, dtype=np.uint64).reshape(-1, 2)  # [entries, 2]: predecessor keys, then new
+        where = np.array(places, dtype=np.int64).reshape(-1, 2)  # [entries, 2]: position, block
+        self._num_registered += native.register_next(
+            self._keys,
+            self._vals,
+            self._used,
+            pool.state,
+            pool.counts,
+            self._block_hash,
+            self._block_check,
+            block_multipliers(self._block_size),
+            np.array(tokens, dtype=np.int64),
+            keys,
+            where[:, 0],
+            where[:, 1],
+        )
+        for (state, chain), (lane_0, lane_1) in zip(batch.values(), keys.tolist()):
+            chain.append_key(lane_0, lane_1)
+            state.num_blocks += 1
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:

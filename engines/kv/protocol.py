@@ -140,6 +140,13 @@ class KVManager(Protocol):
         cache. Mutates the prefix cache only; ValueError for more tokens than slots."""
         ...
 
+    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """``commit`` each ``(seq_id, token_ids)`` in order, with the same effect (one step's
+        commits together, so a manager may register them in one pass). Mutates what
+        ``commit`` does; raises as ``commit`` would for the first bad entry (the entries
+        before it may be committed)."""
+        ...
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Create ``child_seq_id`` holding the parent's KV (shared blocks, or queued copies
         handed out by the next act call). Mutates the pool."""

@@ -44,7 +44,7 @@ import heapq
 from collections.abc import Container, Sequence
 
 from kvbench.engines.kv.block_pool import BlockPool
-from kvbench.engines.kv.prefix_cache import NO_MATCH, PrefixMatch
+from kvbench.engines.kv.prefix_cache import NO_MATCH, CommitEntry, PrefixMatch
 
 
 class _Node:
@@ -225,6 +225,12 @@ class RadixPrefixIndex:
         state.num_tokens = end
         state.owns_node = created
         return tuple(shared)
+
+    def commit_many(self, entries: Sequence[CommitEntry]) -> None:
+        raise TypeError(
+            "RadixPrefixIndex.commit_many: the tree holds blocks, so its commits may return "
+            "blocks to switch to before the next commit; call commit one entry at a time"
+        )
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:

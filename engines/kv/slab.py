@@ -528,6 +528,11 @@ class SlabKVManager(SeqTable):
                 f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
             )
 
+    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """``commit`` each entry: nothing to register, so each only checks its count."""
+        for seq_id, token_ids in entries:
+            self.commit(seq_id, token_ids)
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Give ``child_seq_id`` a spare region of the parent's request and queue copies of
         the parent's written blocks into it (handed out by the next act call).

@@ -50,7 +50,7 @@ class BlockKeyChain:
         "num_blocks",
         "_hashes",
         "_checks",
-        "_starts",
+        "last_key",
         "_lanes",
         "match_owner",
         "match_blocks",
@@ -69,7 +69,9 @@ class BlockKeyChain:
         # and lane 1 (compared on a hit) of each full block's key.
         self._hashes = np.empty(0, dtype=np.uint64)
         self._checks = np.empty(0, dtype=np.uint64)
-        self._starts = np.array([chain_start(extra_key, 0), chain_start(extra_key, 1)], dtype=np.uint64)
+        # Both lanes of the last keyed block's key (Python ints), or the chain's start before
+        # any block: what the next block's key is chained from.
+        self.last_key: tuple[int, int] = (chain_start(extra_key, 0), chain_start(extra_key, 1))
         self._lanes = np.empty(2, dtype=np.uint64)  # scratch: each lane's sum before new blocks
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
@@ -101,14 +103,8 @@ class BlockKeyChain:
         bs = self.block_size
         if num_blocks * bs > len(token_ids):
             raise ValueError(f"BlockKeyChain: {num_blocks} blocks asked of {len(token_ids)} tokens")
-        if num_blocks > len(self._hashes):
-            capacity = max(num_blocks, 2 * len(self._hashes), 8)
-            self._hashes = np.concatenate([self.hashes, np.empty(capacity - first, dtype=np.uint64)])
-            self._checks = np.concatenate([self.checks, np.empty(capacity - first, dtype=np.uint64)])
-        if first:
-            self._lanes[0], self._lanes[1] = self._hashes[first - 1], self._checks[first - 1]
-        else:
-            self._lanes[:] = self._starts
+        self._reserve(num_blocks)
+        self._lanes[0], self._lanes[1] = self.last_key
         chained_block_keys_into(
             _id_array(token_ids, first * bs, num_blocks * bs),
             block_multipliers(bs),
@@ -118,6 +114,26 @@ class BlockKeyChain:
             self._checks[first:num_blocks],
         )
         self.num_blocks = num_blocks
+        self.last_key = (int(self._hashes[num_blocks - 1]), int(self._checks[num_blocks - 1]))
+
+    def append_key(self, lane_0: int, lane_1: int) -> None:
+        """Add the next block's key (both lanes), computed elsewhere from the same
+        definition (``engines/kv/native.register_next``). Mutates the chain."""
+        n = self.num_blocks
+        if n == self._hashes.shape[0]:
+            self._reserve(n + 1)
+        self._hashes[n] = lane_0
+        self._checks[n] = lane_1
+        self.num_blocks = n + 1
+        self.last_key = (lane_0, lane_1)
+
+    def _reserve(self, num_blocks: int) -> None:
+        """Room for ``num_blocks`` keys (capacity doubling: amortised O(1) per key)."""
+        if num_blocks > len(self._hashes):
+            n = self.num_blocks
+            capacity = max(num_blocks, 2 * len(self._hashes), 8)
+            self._hashes = np.concatenate([self.hashes, np.empty(capacity - n, dtype=np.uint64)])
+            self._checks = np.concatenate([self.checks, np.empty(capacity - n, dtype=np.uint64)])
 
     def copy(self) -> BlockKeyChain:
         """An independent chain with the same keys (a fork shares every full block)."""
@@ -125,6 +141,7 @@ class BlockKeyChain:
         chain._hashes = self.hashes.copy()
         chain._checks = self.checks.copy()
         chain.num_blocks = self.num_blocks
+        chain.last_key = self.last_key
         return chain
 
 

@@ -464,9 +464,10 @@ class Scheduler:
         finishes retires in ``finish_decodes`` (the run's last step), as do peaks.
         Mutates the sequences and the prefix index (commit)."""
         kv = self.kv
-        for index in np.flatnonzero(commit_phases == step % kv.commit_interval).tolist():
-            seq = seqs[index]
-            kv.commit(seq.seq_id, seq.token_ids)  # every token but the new one has its KV
+        committing = np.flatnonzero(commit_phases == step % kv.commit_interval).tolist()
+        if committing:
+            # Every token but the new one has its KV.
+            kv.commit_many([(seqs[index].seq_id, seqs[index].token_ids) for index in committing])
         for seq, token in zip(seqs, token_ids):
             # Decode state: one token lacked KV; it has it now and the new one lacks it.
             seq.num_computed_tokens += 1
@@ -527,9 +528,10 @@ class Scheduler:
     def commit_decodes(self, commits: list[tuple[Sequence, int]]) -> None:
         """Register each sequence's first ``num_tokens`` tokens with the prefix index (one
         step's entry of ``complete_decodes_many``). Mutates the prefix index."""
-        kv = self.kv
-        for seq, num_tokens in commits:
-            kv.commit(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens))
+        if commits:
+            self.kv.commit_many(
+                [(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens)) for seq, num_tokens in commits]
+            )
 
     def finish_decodes(
         self, pairs: list[tuple[SequenceGroup, Sequence]], candidates: SequenceOf[int]
@@ -1044,8 +1046,8 @@ class Scheduler:
         computed counts and the KV manager's prefix index (``commit``).
         """
         targets = []
-        kv = self.kv
-        interval = kv.commit_interval
+        commits: list[tuple[int, SequenceOf[int]]] = []  # together, in chunk order
+        interval = self.kv.commit_interval
         for piece in self._last_pieces:
             seq = piece.seq
             seq.num_computed_tokens = computed = piece.start + piece.num_tokens
@@ -1054,9 +1056,13 @@ class Scheduler:
             # complete_decodes); a longer chunk may complete a block anywhere.
             if piece.num_tokens > 1 or computed % interval == 0:
                 # A prefilling sequence commits its computed prefix: a view, not an O(prompt) copy.
-                kv.commit(seq.seq_id, tokens if computed == len(tokens) else TokenPrefix(tokens, computed))
+                commits.append(
+                    (seq.seq_id, tokens if computed == len(tokens) else TokenPrefix(tokens, computed))
+                )
             if computed == len(tokens):
                 targets.append((piece.group, seq))
+        if commits:
+            self.kv.commit_many(commits)
         self._last_pieces = []
         return targets
 

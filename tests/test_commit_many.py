@@ -1,0 +1,134 @@
+"""``commit_many``: one step's commits together, against committing one entry at a time.
+
+The block-hash index keys and registers a step's decode commits in one compiled call
+(``native.register_next``); everything it leaves behind must equal what separate
+``commit`` calls leave, including which of two equal keys wins, chains keyed from the
+salt, a sequence committed twice in one step and hash-table rebuilds mid-batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex
+from kvbench.engines.kv.radix_cache import RadixPrefixIndex
+from kvbench.engines.kv.token_ids import KeyedTokenIds, TokenPrefix
+
+BS = 4
+
+# One step: per live sequence, how many tokens it gains (1: a decode step; more: a chunk),
+# whether it also commits a shorter prefix first in the same step, whether it finishes.
+step_plan = st.lists(
+    st.tuples(st.sampled_from([1, 1, 1, 2, 5]), st.booleans(), st.integers(0, 9)), min_size=1, max_size=6
+)
+
+
+def _state(m: PagedKVManager, tokens: dict[int, KeyedTokenIds], probes: list[list[int]]) -> tuple:
+    """What the two managers must agree on: pool arrays, registrations, every live
+    sequence's keys and table, and what probe prompts match."""
+    index = m.prefix_index
+    return (
+        m.pool.state.tobytes(),
+        m.pool.counts.tobytes(),
+        index.num_cached_blocks,
+        {
+            seq_id: (ids.key_chain.hashes.tolist() if ids.key_chain else [], m.block_table(seq_id))
+            for seq_id, ids in tokens.items()
+        },
+        [index.match(probe, salt).block_ids for probe in probes for salt in (None, "s")],
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    # A two-letter alphabet: sequences often write equal blocks, so first-registration-wins
+    # decides, and a small pool reuses cached blocks and rebuilds the table often.
+    prompts=st.lists(
+        st.tuples(st.lists(st.integers(3, 4), min_size=1, max_size=14), st.sampled_from([None, "s"])),
+        min_size=2,
+        max_size=8,
+    ),
+    steps=st.lists(step_plan, min_size=1, max_size=12),
+    num_blocks=st.integers(12, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_commit_many_equals_one_commit_at_a_time(prompts, steps, num_blocks, seed):
+    rng = np.random.default_rng(seed)
+    managers = [PagedKVManager(num_blocks, BS, 1, BlockHashPrefixIndex()) for _ in range(2)]
+    tokens: list[dict[int, KeyedTokenIds]] = [{}, {}]
+    salts: dict[int, str | None] = {}
+    probes = [prompt for prompt, _ in prompts]
+    waiting = list(enumerate(prompts))
+    for plan in steps:
+        # Admit what fits (same decision for both: their states are equal).
+        while waiting:
+            seq_id, (prompt, salt) = waiting[0]
+            ids = [KeyedTokenIds(prompt), KeyedTokenIds(prompt)]
+            cached = managers[0].num_cached_tokens(ids[0], salt)
+            if not managers[0].can_allocate(seq_id, ids[0], len(prompt) - cached, salt):
+                break
+            waiting.pop(0)
+            for m, tok, ids_m in zip(managers, tokens, ids):
+                m.allocate(seq_id, ids_m, len(prompt) - m.num_cached_tokens(ids_m, salt), salt)
+                tok[seq_id] = ids_m
+            salts[seq_id] = salt
+        live = sorted(tokens[0])
+        if not live:
+            break
+        # One step: grow each planned sequence, then commit the step's entries.
+        entries: list[list[tuple[int, object]]] = [[], []]
+        for (num_new, twice, _), seq_id in zip(plan, live):
+            if not managers[0].can_append(seq_id, num_new):
+                continue
+            new = rng.integers(3, 5, size=num_new).tolist()
+            for m, tok, ents in zip(managers, tokens, entries):
+                ids = tok[seq_id]
+                m.append(seq_id, num_new)
+                before = len(ids)
+                ids.extend(new)
+                if twice:  # a prefix first: with num_new == 1 the same tokens twice
+                    ents.append((seq_id, TokenPrefix(ids, before + (num_new + 1) // 2)))
+                ents.append((seq_id, ids))
+        for seq_id, ids in entries[0]:
+            managers[0].commit(seq_id, ids)
+        managers[1].commit_many(entries[1])
+        for (_, _, finish), seq_id in zip(plan, live):
+            if finish == 0:  # about one in ten finishes after its step
+                for m, tok in zip(managers, tokens):
+                    m.free(seq_id)
+                    del tok[seq_id]
+        for m in managers:
+            m.check()
+        assert _state(managers[0], tokens[0], probes) == _state(managers[1], tokens[1], probes)
+
+
+def test_commit_many_checks_every_entry_before_committing_any():
+    m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex())
+    good, bad = KeyedTokenIds([5] * 8), KeyedTokenIds([6] * 8)
+    m.allocate(0, good, 8, None)
+    m.allocate(1, bad, 8, None)
+    with pytest.raises(ValueError, match="seq 1 commits 9 tokens but has 8 slots"):
+        m.commit_many([(0, good), (1, KeyedTokenIds([6] * 9))])
+    assert m.prefix_index.num_cached_blocks == 0  # seq 0's blocks were not registered either
+    m.commit_many([(0, good), (1, bad)])
+    assert m.prefix_index.num_cached_blocks == 4
+    m.check()
+
+
+def test_a_radix_index_commits_one_entry_at_a_time():
+    """The radix tree holds blocks, so its commits may switch table entries: the manager
+    commits each entry alone, and the index refuses a batch."""
+    m = PagedKVManager(16, BS, 1, RadixPrefixIndex())
+    ids = [KeyedTokenIds([7] * 8), KeyedTokenIds([7] * 8)]
+    for seq_id, tokens in enumerate(ids):
+        m.allocate(seq_id, tokens, 8, None)
+    m.commit_many([(0, ids[0]), (1, ids[1])])
+    # Both wrote the same two blocks: the second sequence now reads the first one's.
+    assert m.block_table(1) == m.block_table(0)
+    m.check()
+    with pytest.raises(TypeError, match="commit one entry at a time"):
+        m.prefix_index.commit_many([])
