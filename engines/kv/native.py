@@ -379,6 +379,38 @@ def drop_seq_refs(seq_refs, claimed, block_ids):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def must_copy(st, claimed, b, offset, num_held):  # pragma: no cover - compiled
+    """Whether writing slot ``offset`` of block ``b`` (a valid id) needs a copy: the slot is
+    already claimed (a fork sibling wrote ahead, or a stale claim) and another holder reads
+    the block: a reference beyond the writer's own ``num_held`` (0 or 1), or a prefix-index
+    registration (read by future hits without a reference; a fork sibling left alone
+    with a block its parent filled and registered must not overwrite its tokens)."""
+    return claimed[b] > offset and (st[REF, b] > num_held or st[CACHED, b] != 0)
+
+
+@njit(cache=True, nogil=True)
+def decodes_in_place(st, claimed, num_slots, last_blocks, block_size):  # pragma: no cover - compiled
+    """Whether sequences holding ``num_slots`` slots (int64 [seqs]) with last blocks
+    ``last_blocks`` may each write their next slot without a copy: a partial last block
+    is written in place unless another sequence's partial last block is the same block
+    (the second writer would copy it), or the slot is already claimed (a fork sibling
+    or a stale claim) while another reference or a registration holds the block
+    (``must_copy``). A full last block is followed by a fresh one."""
+    partial = np.empty(num_slots.shape[0], dtype=np.int64)
+    k = 0
+    for i in range(num_slots.shape[0]):
+        offset = num_slots[i] % block_size
+        if offset:
+            b = last_blocks[i]
+            if must_copy(st, claimed, b, offset, 1):
+                return False
+            partial[k] = b
+            k += 1
+    order = np.sort(partial[:k])
+    return not np.any(order[1:] == order[:-1])
+
+
+@njit(cache=True, nogil=True)
 def claim_fresh(seq_refs, claimed, block_ids, block_size, last_slots):  # pragma: no cover - compiled
     """Fresh blocks joining one table: each gets its first block-table reference and a
     full block's claimed slots, the last one ``last_slots``."""

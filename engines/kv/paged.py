@@ -315,18 +315,11 @@ class PagedKVManager(SeqTable):
             tails.append(seq.block_ids[-1] if seq.block_ids else -1)
         num_slots = np.array(nums, dtype=np.int64)
         last_blocks = np.array(tails, dtype=np.int64)
-        offsets = num_slots % self.block_size
-        partial = offsets != 0
-        partial_blocks = last_blocks[partial]
-        if len(np.unique(partial_blocks)) != len(partial_blocks):
-            return None  # a shared partial block: the second writer would copy it
-        # _must_copy(held=True) is "claimed past the offset and another holder": only
-        # blocks claimed ahead (stale claims, fork siblings) need the pool's counts.
-        partial_offsets = offsets[partial]
-        for index in np.flatnonzero(self._claimed[partial_blocks] > partial_offsets).tolist():
-            if self._must_copy(int(partial_blocks[index]), int(partial_offsets[index]), held=True):
-                return None
-        return DecodeRun(self, seqs, offsets, last_blocks)
+        if not native.decodes_in_place(
+            self.pool.state, self._claimed, num_slots, last_blocks, self.block_size
+        ):
+            return None  # a copy-on-write ahead
+        return DecodeRun(self, seqs, num_slots % self.block_size, last_blocks)
 
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
@@ -627,12 +620,9 @@ class PagedKVManager(SeqTable):
         return need
 
     def _must_copy(self, block: int, offset: int, held: bool) -> bool:
-        # A block the prefix index registered (pool "cached" flag) is read by future hits
-        # without a reference, so it counts as another holder: a fork sibling left alone with
-        # a block its parent filled and registered must not overwrite the parent's tokens.
-        other_holders = self.pool.ref_count(block) - (1 if held else 0)
-        shared = other_holders > 0 or self.pool.is_cached(block)
-        return shared and self._claimed_at[block] > offset
+        """``native.must_copy`` (one definition with the decode run's check) for ``block``,
+        a block of some table; ``held``: whether the writer holds a reference to it."""
+        return bool(native.must_copy(self.pool.state, self._claimed, block, offset, int(held)))
 
     def _grow(self, seq: _Seq, num_new: int) -> KVOps:
         if num_new <= 0:
@@ -771,11 +761,25 @@ class DecodeRun:
             seq.num_tokens += 1
         # The others start a fresh block, in sequence order (the pool's order): what
         # append(seq, 1) does for each, the in-place writes above touching no pool state.
-        for index in np.flatnonzero(~in_place).tolist():
-            seq = seqs[index]
-            seq.num_tokens -= 1
-            kv._grow(seq, 1)
-            self._lasts[index] = seq.block_ids[-1]
+        crossing = np.flatnonzero(~in_place)
+        num_fresh = len(crossing)
+        if num_fresh and kv.pool.num_free >= num_fresh:
+            # No eviction in between: the blocks _grow(seq, 1) would take one by one, taken
+            # in one pool call (the same pops in the same order), each holding one slot.
+            fresh = kv.pool.allocate_array(num_fresh)
+            kv._claimed[fresh] = 1
+            kv._seq_refs[fresh] = 1
+            kv._num_blocks_in_use += num_fresh
+            kv._num_token_slots += num_fresh
+            self._lasts[crossing] = fresh
+            for index, block in zip(crossing.tolist(), fresh.tolist()):
+                seqs[index].block_ids.append(block)
+        else:
+            for index in crossing.tolist():
+                seq = seqs[index]
+                seq.num_tokens -= 1
+                kv._grow(seq, 1)
+                self._lasts[index] = seq.block_ids[-1]
         self._num_steps += 1
 
     def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
