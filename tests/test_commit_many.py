@@ -132,3 +132,71 @@ def test_a_radix_index_commits_one_entry_at_a_time():
     m.check()
     with pytest.raises(TypeError, match="commit one entry at a time"):
         m.prefix_index.commit_many([])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(3, 4), min_size=1, max_size=13), min_size=1, max_size=6),
+    warm=st.lists(st.lists(st.integers(3, 4), min_size=4, max_size=12), max_size=4),
+    spans=st.lists(st.integers(1, 11), min_size=1, max_size=4),
+    num_blocks=st.integers(14, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_steps_in_one_pass_equal_stepping_with_commits(prompts, warm, spans, num_blocks, seed):
+    """``DecodeRun.advance_many`` with the steps' commits (the prefix index's compiled pass,
+    ``allocate_decode_steps``, in spans; spans it declines one step at a time) against
+    ``advance`` then ``commit_many`` step by step: the same blocks, registrations, drops,
+    keys and per-step counts. Two-letter ids make sequences write equal blocks, and the
+    warm-up leaves cached blocks in the free list for the steps to reuse."""
+    rng = np.random.default_rng(seed)
+    managers = [PagedKVManager(num_blocks, BS, 1, BlockHashPrefixIndex()) for _ in range(2)]
+    for m in managers:  # cached-free blocks from finished requests
+        for seq_id, prompt in enumerate(warm, start=100):
+            ids = KeyedTokenIds(prompt)
+            if m.can_allocate(seq_id, ids, len(prompt) - m.num_cached_tokens(ids, None), None):
+                m.allocate(seq_id, ids, len(prompt) - m.num_cached_tokens(ids, None), None)
+                m.commit(seq_id, ids)
+                m.free(seq_id)
+    tokens: list[dict[int, KeyedTokenIds]] = [{}, {}]
+    first_token = rng.integers(3, 5, size=len(prompts)).tolist()
+    for seq_id, prompt in enumerate(prompts):
+        ids = KeyedTokenIds(prompt)
+        cached = managers[0].num_cached_tokens(ids, None)
+        if not managers[0].can_allocate(seq_id, ids, len(prompt) - cached, None):
+            break
+        for m, tok in zip(managers, tokens):
+            ids = KeyedTokenIds(prompt)
+            m.allocate(seq_id, ids, len(prompt) - cached, None)
+            m.commit(seq_id, ids)
+            ids.append(first_token[seq_id])  # decode state: the newest token lacks KV
+            tok[seq_id] = ids
+    live = sorted(tokens[0])
+    if not live:
+        return
+    runs = [m.decode_run(live) for m in managers]
+    for span in spans:
+        num_steps = runs[0].num_quiet_steps((), span)
+        if num_steps == 0:
+            break
+        new = rng.integers(3, 5, size=(len(live), num_steps)).tolist()
+        commits: list[list[list[tuple[int, object]]]] = [[[] for _ in range(num_steps)] for _ in range(2)]
+        for tok, per_step in zip(tokens, commits):
+            for seq_id, row in zip(live, new):
+                ids = tok[seq_id]
+                first = len(ids)
+                ids.extend(row)  # the run's tokens, appended before its slots are reserved
+                for step in range(-first % BS, num_steps, BS):
+                    per_step[step].append((seq_id, TokenPrefix(ids, first + step)))
+        reported = runs[0].advance_many(num_steps, commits[0])
+        stepped = managers[1]
+        for step, (*counts, num_reused) in enumerate(reported):
+            evicted = stepped.num_evicted_blocks
+            runs[1].advance()
+            assert (tuple(counts), num_reused) == (
+                stepped.usage_counts(),
+                stepped.num_evicted_blocks - evicted,
+            )
+            stepped.commit_many(commits[1][step])
+        for m in managers:
+            m.check()
+        assert _state(managers[0], tokens[0], [p for p in prompts]) == _state(stepped, tokens[1], prompts)

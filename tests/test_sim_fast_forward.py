@@ -122,9 +122,9 @@ def test_mooncake_head_fixture(prefix_cache, monkeypatch):
     reserved = [0]
     advance_many = DecodeRun.advance_many
 
-    def counting_advance_many(run, num_steps, **kwargs):
+    def counting_advance_many(run, num_steps, *args, **kwargs):
         reserved[0] += num_steps
-        return advance_many(run, num_steps, **kwargs)
+        return advance_many(run, num_steps, *args, **kwargs)
 
     monkeypatch.setattr(DecodeRun, "advance_many", counting_advance_many)
     workload = load_trace(

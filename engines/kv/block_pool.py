@@ -208,9 +208,28 @@ class BlockPool:
         if num_blocks <= 0:
             return np.empty(0, dtype=np.int64)
         out, reused = native.allocate_many(self._st, self._counts, num_blocks)
+        self.tell_reused(reused)
+        return out
+
+    def allocate_steps(self, needs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``allocate_array(needs[t])`` for each step ``t`` (int64 [steps]) in one call: the
+        same blocks in the same order, the listener told once, after all of them, of the
+        cached blocks reused in order. Returns (the blocks int64 [sum(needs)], how many of
+        each step's blocks were cached int64 [steps]). Raises MemoryError, allocating
+        nothing, when fewer than ``sum(needs)`` are free."""
+        total = int(needs.sum())
+        if total > self._counts[NUM_FREE]:
+            raise MemoryError(f"BlockPool: {total} blocks requested, {self.num_free} free")
+        out, reused, reused_per_step = native.allocate_steps(self._st, self._counts, needs)
+        self.tell_reused(reused)
+        return out, reused_per_step
+
+    def tell_reused(self, reused: np.ndarray) -> None:
+        """Tell the reuse listener (if any) that these cached blocks (int64, in order) left
+        the free list to be overwritten: for callers whose compiled loops pop blocks
+        themselves (``native.allocate_steps_registering``)."""
         if len(reused) and self._reuse_listener is not None:
             self._reuse_listener(reused.tolist())
-        return out
 
     def incref(self, block_id: int) -> None:
         """Add one (hard) reference. A free block leaves the free list (a cached block is

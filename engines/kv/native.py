@@ -44,24 +44,63 @@ def allocate_many(st, counts, num_blocks):  # pragma: no cover - compiled
     """Pop ``num_blocks`` blocks from the free list's head (the caller checked there are
     enough): ref count 1, cached flag cleared. Returns (allocated int64 [num_blocks], the
     cached ones among them in order int64 [k])."""
-    sentinel = st.shape[1] - 1
     out = np.empty(num_blocks, dtype=np.int64)
     reused = np.empty(num_blocks, dtype=np.int64)
+    k = _pop(st, counts, num_blocks, out, 0, reused, 0)
+    return out, reused[:k]
+
+
+@njit(cache=True, nogil=True)
+def _pop(st, counts, num_blocks, out, at, reused, reused_at):  # pragma: no cover - compiled
+    """``allocate_many``'s body: the blocks go to ``out[at:]``, the cached ones among them
+    to ``reused[reused_at:]``; returns how many were cached."""
+    sentinel = st.shape[1] - 1
     k = 0
     b = st[NEXT, sentinel]
     for i in range(num_blocks):
-        out[i] = b
+        out[at + i] = b
         st[REF, b] = 1
         if st[CACHED, b]:
             st[CACHED, b] = 0
-            reused[k] = b
+            reused[reused_at + k] = b
             k += 1
         b = st[NEXT, b]
     st[NEXT, sentinel] = b
     st[PREV, b] = sentinel
     counts[NUM_FREE] -= num_blocks
     counts[NUM_CACHED_FREE] -= k
-    return out, reused[:k]
+    return k
+
+
+@njit(cache=True, nogil=True)
+def allocate_steps(st, counts, needs):  # pragma: no cover - compiled
+    """``allocate_many(needs[t])`` for each step ``t`` in turn (the caller checked that
+    ``sum(needs)`` blocks are free). Returns (the blocks in order int64 [sum(needs)],
+    the cached ones among them int64 [k], how many of each step's were cached int64
+    [steps])."""
+    out, reused, reused_per_step = _step_buffers(needs)
+    at = 0
+    k = 0
+    for t in range(needs.shape[0]):
+        n = _pop(st, counts, needs[t], out, at, reused, k)
+        reused_per_step[t] = n
+        at += needs[t]
+        k += n
+    return out, reused[:k], reused_per_step
+
+
+@njit(cache=True, nogil=True)
+def _step_buffers(needs):  # pragma: no cover - compiled
+    """``allocate_steps``' outputs, unfilled: blocks and reused int64 [sum(needs)], the
+    per-step reused counts int64 [steps] (zeros)."""
+    total = 0
+    for t in range(needs.shape[0]):
+        total += needs[t]
+    return (
+        np.empty(total, dtype=np.int64),
+        np.empty(total, dtype=np.int64),
+        np.zeros(needs.shape[0], dtype=np.int64),
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -309,21 +348,109 @@ def register_next(
     ``register_run`` call of its own would register it, so a later entry sees an earlier
     one's registration; ``lanes[e]`` is overwritten with the block's key. Returns how many
     blocks were registered."""
-    bs = multipliers.shape[0]
     k = 0
     for e in range(block_ids.shape[0]):
-        term_a, term_b = block_key_terms(tokens, e * bs, multipliers, positions[e])
-        h = lanes[e, 0] + term_a
-        check = lanes[e, 1] + term_b
-        lanes[e, 0] = h
-        lanes[e, 1] = check
-        b = block_ids[e]
-        if _enter(keys, vals, used, st, block_hash, block_check, h, check, b):
-            _set_cached(st, counts, b)
-            k += 1
-        if 2 * used[0] > keys.shape[0]:
-            rebuild(keys, vals, used, st, block_hash)
+        k += _key_and_register(
+            keys,
+            vals,
+            used,
+            st,
+            counts,
+            block_hash,
+            block_check,
+            multipliers,
+            tokens,
+            e,
+            lanes,
+            e,
+            positions[e],
+            block_ids[e],
+        )
     return k
+
+
+@njit(cache=True, nogil=True)
+def _key_and_register(
+    keys, vals, used, st, counts, block_hash, block_check, multipliers, tokens, e, lanes, row, position, b
+):  # pragma: no cover - compiled
+    """Key block ``b`` (ids ``tokens[e * bs : (e + 1) * bs]``, block ``position`` of its
+    sequence) chained from ``lanes[row]``, which becomes its key, and register it as a
+    ``register_run`` call of its own would (flagged cached at once, the table rebuilt
+    when half full). Returns 1 when it was registered, else 0."""
+    term_a, term_b = block_key_terms(tokens, e * multipliers.shape[0], multipliers, position)
+    h = lanes[row, 0] + term_a
+    check = lanes[row, 1] + term_b
+    lanes[row, 0] = h
+    lanes[row, 1] = check
+    done = 0
+    if _enter(keys, vals, used, st, block_hash, block_check, h, check, b):
+        _set_cached(st, counts, b)
+        done = 1
+    if 2 * used[0] > keys.shape[0]:
+        rebuild(keys, vals, used, st, block_hash)
+    return done
+
+
+@njit(cache=True, nogil=True)
+def allocate_steps_registering(
+    st,
+    counts,
+    needs,
+    keys,
+    vals,
+    used,
+    block_hash,
+    block_check,
+    multipliers,
+    entry_steps,
+    tokens,
+    lanes,
+    entry_rows,
+    positions,
+    block_ids,
+):  # pragma: no cover - compiled
+    """``allocate_steps`` with ``register_next``'s registrations after each step: after
+    step ``t``'s blocks are taken, entries ``e`` with ``entry_steps[e] == t`` (ascending)
+    are keyed and registered in order. Entry ``e`` keys the block ``block_ids[e]`` at
+    ``positions[e]`` from ``tokens[e * bs : (e + 1) * bs]``, chained from row
+    ``entry_rows[e]`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated
+    as its entries are keyed, so a sequence's entries chain in order). Returns
+    ``allocate_steps``' three arrays, the entries' keys uint64 [entries, 2] and how many
+    blocks were registered."""
+    num_entries = entry_steps.shape[0]
+    out, reused, reused_per_step = _step_buffers(needs)
+    entry_keys = np.empty((num_entries, 2), dtype=np.uint64)
+    at = 0
+    k = 0
+    e = 0
+    registered = 0
+    for t in range(needs.shape[0]):
+        n = _pop(st, counts, needs[t], out, at, reused, k)
+        reused_per_step[t] = n
+        at += needs[t]
+        k += n
+        while e < num_entries and entry_steps[e] == t:
+            row = entry_rows[e]
+            registered += _key_and_register(
+                keys,
+                vals,
+                used,
+                st,
+                counts,
+                block_hash,
+                block_check,
+                multipliers,
+                tokens,
+                e,
+                lanes,
+                row,
+                positions[e],
+                block_ids[e],
+            )
+            entry_keys[e, 0] = lanes[row, 0]
+            entry_keys[e, 1] = lanes[row, 1]
+            e += 1
+    return out, reused[:k], reused_per_step, entry_keys, registered
 
 
 @njit(cache=True, nogil=True)

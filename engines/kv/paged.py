@@ -23,14 +23,14 @@ stay referenced by the swapped sequence, because other holders still read them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
-from kvbench.engines.kv.prefix_cache import PrefixIndex, PrefixMatch
+from kvbench.engines.kv.prefix_cache import CommitEntry, PrefixIndex, PrefixMatch
 from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps
 from kvbench.engines.kv.token_ids import TokenPrefix
 from kvbench.types import KVUsage, Request
@@ -364,11 +364,13 @@ class PagedKVManager(SeqTable):
             for seq_id, token_ids in entries:
                 self.commit(seq_id, token_ids)
             return
-        rows = []
-        for seq_id, token_ids in entries:
-            seq = self._committing(seq_id, token_ids)
-            rows.append((seq_id, token_ids, seq.block_ids, seq.extra_key))
-        index.commit_many(rows)
+        index.commit_many([self._commit_row(seq_id, token_ids) for seq_id, token_ids in entries])
+
+    def _commit_row(self, seq_id: int, token_ids: Sequence[int]) -> CommitEntry:
+        """The prefix index's commit entry for ``seq_id`` committing ``token_ids``: its block
+        table (the live list) and extra key."""
+        seq = self._committing(seq_id, token_ids)
+        return seq_id, token_ids, seq.block_ids, seq.extra_key
 
     def _committing(self, seq_id: int, token_ids: Sequence[int]) -> _Seq:
         """The resident sequence ``seq_id`` may commit ``token_ids``: ValueError (naming it)
@@ -806,27 +808,30 @@ class DecodeRun:
         return steps
 
     def advance_many(
-        self, num_steps: int, after_step: Callable[[int], None] | None = None
+        self, num_steps: int, commits: Sequence[Sequence[tuple[int, Sequence[int]]]] = ()
     ) -> list[tuple[int, int, int, int]]:
         """``advance`` ``num_steps`` times: the same blocks (taken step by step in sequence
-        order), claims, counters and reuse-listener drops. ``after_step(t)`` runs once
-        step ``t``'s blocks are taken (the cached ones already dropped from the prefix
-        index), before step ``t + 1``'s: the step's commits go there, so an index sees
-        drops and registrations interleaved exactly as step by step. It may only commit:
-        slot counts already include all ``num_steps`` steps, claims are settled at the end.
-        Returns, per step, the manager's ``usage_counts`` after it and how many cached
-        blocks it reused (evictions). Only for an index that holds no blocks and when the
-        steps' blocks are free (``num_quiet_steps``); raises KVCapacityError otherwise,
-        changing nothing. Mutates the manager (claims, block tables, the pool, the index
-        via the listener)."""
+        order), claims, counters and reuse-listener drops. ``commits[t]`` (empty: none)
+        are step ``t``'s commits (``commit_many`` entries), made once the step's blocks are
+        taken (the cached ones already dropped from the prefix index) and before step
+        ``t + 1``'s, so an index sees drops and registrations interleaved exactly as step
+        by step; slot counts already include all ``num_steps`` steps, claims are settled
+        at the end. Steps go to the prefix index in spans
+        (``PrefixIndex.allocate_decode_steps``: one compiled pass each), a span it declines
+        one step at a time. Returns, per step, the manager's ``usage_counts`` after it and
+        how many cached blocks it reused (evictions). Only for an index that holds no
+        blocks and when the steps' blocks are free (``num_quiet_steps``); raises
+        KVCapacityError otherwise, changing nothing. Mutates the manager (claims, block
+        tables, the pool, the index)."""
         kv = self._kv
         bs = kv.block_size
         pool = kv.pool
+        index = kv.prefix_index
         start = self._num_steps
         at_boundary = self._at_boundary
         needs = [at_boundary[-(start + t) % bs] for t in range(num_steps)]
         total = sum(needs)
-        if kv.prefix_index.holds_blocks or total > pool.num_free:
+        if index.holds_blocks or total > pool.num_free:
             raise KVCapacityError(f"decode run: {total} blocks for {num_steps} steps, {pool.num_free} free")
         in_use, token_slots = kv._num_blocks_in_use, kv._num_token_slots
         # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
@@ -838,17 +843,43 @@ class DecodeRun:
             by_offset.setdefault(seq.num_tokens % bs, []).append(seq)
             befores.append(seq.num_tokens)
             seq.num_tokens += num_steps  # the slots reserved (what commits check against)
-        for t in range(num_steps):
-            group = by_offset.get(-t % bs)
-            cached_before = pool.num_cached_free
-            if group:
-                for seq, b in zip(group, pool.allocate_many(len(group))):
+        # A block taken in a span fills and registers bs - 1 steps later at the earliest:
+        # spans shorter than that commit only blocks already in the tables.
+        span = max(bs - 1, 1)
+        for first in range(0, num_steps, span):
+            last = min(first + span, num_steps)
+            groups = [by_offset.get(-t % bs, ()) for t in range(first, last)]
+            rows = (
+                [[kv._commit_row(seq_id, ids) for seq_id, ids in commits[t]] for t in range(first, last)]
+                if commits
+                else []
+            )
+            free, cached = pool.num_free, pool.num_cached_free
+            taken = index.allocate_decode_steps(pool, np.array(needs[first:last], dtype=np.int64), rows)
+            if taken is None:
+                for t, group in zip(range(first, last), groups):
+                    cached_before = pool.num_cached_free
+                    if group:
+                        for seq, b in zip(group, pool.allocate_many(len(group))):
+                            seq.block_ids.append(b)
+                        in_use += len(group)
+                    # Read before the commits (which register in-use blocks only, changing neither).
+                    steps.append(
+                        (in_use, pool.num_free - pool.num_cached_free, cached_before - pool.num_cached_free)
+                    )
+                    if commits:
+                        kv.commit_many(commits[t])
+                continue
+            blocks, reused_per_step = taken[0].tolist(), taken[1].tolist()
+            at = 0
+            for group, num_reused in zip(groups, reused_per_step):
+                for seq, b in zip(group, blocks[at : at + len(group)]):
                     seq.block_ids.append(b)
+                at += len(group)
                 in_use += len(group)
-            # Read before the commits (which register in-use blocks only, changing neither).
-            steps.append((in_use, pool.num_free - pool.num_cached_free, cached_before - pool.num_cached_free))
-            if after_step is not None:
-                after_step(t)
+                free -= len(group)
+                cached -= num_reused
+                steps.append((in_use, free - cached, num_reused))
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped).
         claimed, seq_refs = kv._claimed_at, kv._seq_refs_at
         stale = 0  # a partial block's stale claims, overwritten by the first step

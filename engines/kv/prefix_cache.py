@@ -132,6 +132,18 @@ class PrefixIndex(Protocol):
         entries before it committed."""
         ...
 
+    def allocate_decode_steps(
+        self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """A simulated decode run's steps (``DecodeRun.advance_many``), for an index that
+        holds no blocks: per step ``t``, take ``needs[t]`` blocks (int64 [steps]) from the
+        pool's free-list head, then ``commit_many(commits[t])``, whose entries' blocks
+        were all in their tables before this call. Returns ``BlockPool.allocate_steps``'
+        result, or None, changing nothing, when the index cannot take these steps in one
+        pass (the caller then takes them one at a time). Mutates the pool and what the
+        commits mutate. An index that holds blocks raises TypeError."""
+        ...
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Track ``child_seq_id`` as a copy of ``parent_seq_id``. Mutates: index bookkeeping."""
         ...
@@ -193,6 +205,11 @@ class NullPrefixIndex:
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
         return None
+
+    def allocate_decode_steps(
+        self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        return pool.allocate_steps(needs)  # commits register nothing
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         return None
@@ -482,6 +499,77 @@ class BlockHashPrefixIndex:
             self.commit(seq_id, token_ids, block_ids, extra_key)
         if batch:
             self._register_next(batch, tokens, lanes, places)
+
+    def allocate_decode_steps(
+        self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """See ``PrefixIndex.allocate_decode_steps``: one compiled pass
+        (``native.allocate_steps_registering``) when every entry completes exactly the next
+        block of its sequence (counting its earlier entries in the call), whose chain is
+        keyed up to its registrations, from a block already in its table; else None."""
+        if pool is not self._pool:
+            raise ValueError(
+                "BlockHashPrefixIndex.allocate_decode_steps: not the pool this index is bound to"
+            )
+        if int(needs.sum()) > pool.num_free:
+            raise MemoryError(
+                f"BlockHashPrefixIndex.allocate_decode_steps: {int(needs.sum())} blocks, {pool.num_free} free"
+            )
+        bs = self._block_size
+        seqs = self._seqs
+        tracked: dict[int, list[Any]] = {}  # seq -> [state, chain, row, entries so far]
+        lanes: list[int] = []  # per row (sequence): its last key, both lanes
+        entry_steps: list[int] = []
+        entry_rows: list[int] = []
+        places: list[int] = []  # per entry: position, block
+        tokens: list[int] = []
+        for step, entries in enumerate(commits):
+            for seq_id, token_ids, block_ids, _ in entries:
+                seen = tracked.get(seq_id)
+                if seen is None:
+                    state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
+                    chain = state.chain
+                    if chain is None or chain.num_blocks != state.num_blocks:
+                        return None
+                    seen = tracked[seq_id] = [state, chain, len(tracked), 0]
+                    lanes += chain.last_key
+                first = seen[0].num_blocks + seen[3]
+                num_full = len(token_ids) // bs
+                if num_full <= first:
+                    continue  # no new full block
+                if num_full != first + 1 or first >= len(block_ids):
+                    return None
+                seen[3] += 1
+                entry_steps.append(step)
+                entry_rows.append(seen[2])
+                places += (first, block_ids[first])
+                tokens += token_ids[first * bs : num_full * bs]
+        where = np.array(places, dtype=np.int64).reshape(-1, 2)  # [entries, 2]: position, block
+        taken, reused, reused_per_step, keys, registered = native.allocate_steps_registering(
+            pool.state,
+            pool.counts,
+            needs,
+            self._keys,
+            self._vals,
+            self._used,
+            self._block_hash,
+            self._block_check,
+            block_multipliers(bs),
+            np.array(entry_steps, dtype=np.int64),
+            np.array(tokens, dtype=np.int64),
+            np.array(lanes, dtype=np.uint64).reshape(-1, 2),
+            np.array(entry_rows, dtype=np.int64),
+            where[:, 0],
+            where[:, 1],
+        )
+        self._num_registered += registered
+        rows = list(tracked.values())
+        for row, (lane_0, lane_1) in zip(entry_rows, keys.tolist()):
+            state, chain, _, _ = rows[row]
+            chain.append_key(lane_0, lane_1)
+            state.num_blocks += 1
+        pool.tell_reused(reused)  # the drops, as the pool's allocations would have told
+        return taken, reused_per_step
 
     def _register_next(
         self,

@@ -43,6 +43,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Container, Sequence
 
+import numpy as np
+
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.prefix_cache import NO_MATCH, CommitEntry, PrefixMatch
 
@@ -230,6 +232,14 @@ class RadixPrefixIndex:
         raise TypeError(
             "RadixPrefixIndex.commit_many: the tree holds blocks, so its commits may return "
             "blocks to switch to before the next commit; call commit one entry at a time"
+        )
+
+    def allocate_decode_steps(
+        self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        raise TypeError(
+            "RadixPrefixIndex.allocate_decode_steps: the tree holds blocks, so a decode run "
+            "takes its steps one at a time"
         )
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.kv.protocol import DecodeRunKV
+from kvbench.engines.kv.token_ids import TokenPrefix
 from kvbench.engines.sched.scheduler import Scheduler, SchedulerOutput
 from kvbench.engines.sched.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim.executor import CostModelExecutor
@@ -259,7 +260,10 @@ class FastForward:
                     step_commits = scheduler.complete_decodes_many(pairs, token_block.tolist())
                     reserved = run.advance_many(
                         num,
-                        after_step=lambda step, commits=step_commits: scheduler.commit_decodes(commits[step]),
+                        [
+                            [(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens)) for seq, num_tokens in step]
+                            for step in step_commits
+                        ],
                     )
                     log.add_many(token_block, durations[index : index + num], reserved)
                     quiet -= num
