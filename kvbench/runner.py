@@ -16,14 +16,13 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import itertools
 import math
 import operator
 import sys
 import time
 import typing
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -349,7 +348,7 @@ def replay(
     num_steps = 0
     logs: dict[str, _RequestLog] = {}
     outputs: dict[str, tuple[tuple[int, ...], ...]] = {}
-    step_rows: list[tuple[tuple[Any, ...], Any]] = []
+    steps = StepsRecorder(STEPS_CHUNK)
     bar = _Progress(len(pending), progress, workload.name)
     num_done = num_tokens = idle_steps = stall_steps = 0
     limit = workload.max_concurrency
@@ -369,7 +368,8 @@ def replay(
                     max(request.n, request.beam_width),
                     dict(request.tags),
                 )
-                engine.add_request(request)
+                # A prompt computed when read (a trace's) exists only while its request is in flight.
+                engine.add_request(request.with_prompt_in_memory())
             if not engine.has_unfinished():
                 stall_steps = 0  # nothing queued: an idle engine is not stalled
                 clock.wait_until(pending[0].arrival_s)
@@ -393,7 +393,7 @@ def replay(
                     list(map(operator.sub, ends, starts)),
                     repeat(math.nan, len(ends)),
                 )
-                step_rows.append((timing, covered))
+                steps.add_covered(timing, covered)
                 num_steps += len(ends)
                 # Every batch sequence produced one token in each covered step.
                 for request_id, sample_index in zip(covered.request_ids, covered.sample_indexes):
@@ -406,9 +406,7 @@ def replay(
                 num_tokens += len(ends) * len(covered.request_ids)
             else:
                 ends = [end_s]
-                step_rows.append(
-                    ((num_steps, start_s, end_s, end_s - start_s, clock.device_time_s()), output.stats)
-                )
+                steps.add((num_steps, start_s, end_s, end_s - start_s, clock.device_time_s()), output.stats)
                 num_steps += 1
             # Engines observing events off the step loop time them themselves.
             sent_perf_s = output.first_scheduled_times_perf_s
@@ -475,50 +473,107 @@ def replay(
     duration_s = clock.now()
     return RawRun(
         requests=_requests_frame(logs.values(), outputs),
-        steps=_steps_frame(step_rows),
+        steps=steps.frame(),
         duration_s=duration_s,
         num_steps=num_steps,
         outputs=outputs,
     )
 
 
-def _steps_frame(step_rows: list[tuple[Any, Any]]) -> pd.DataFrame:
-    """One row per step: the runner's timing columns then the stats' flattened fields
-    (``stats_layout``). ``step_rows`` holds single steps, ``(timing row, stats)``, and
-    multi-step outputs, ``(timing columns, CoveredSteps)``. Rows from different stats
-    classes are aligned by column name."""
-    frames = []
-    for cls, segments in itertools.groupby(step_rows, key=_stats_class):
+# Steps gathered as Python values before they become numpy columns: a long simulated
+# run holds 8 bytes a cell, not an object a cell, plus at most this many steps' objects.
+STEPS_CHUNK = 4096
+
+
+class StepsRecorder:
+    """The steps frame, built while the run goes: one row per step, the runner's timing
+    columns then the stats' flattened fields (``stats_layout``).
+
+    Rows come as single steps (``add``: a timing row and its stats) and multi-step outputs
+    (``add_covered``: timing columns and a CoveredSteps, of which only the stats columns
+    are kept, so no output's token rows outlive its step call). Consecutive steps with
+    one stats class form a run, whose columns are lists of numpy chunks; runs of
+    different classes are aligned by column name at the end. Every ``chunk_steps`` steps
+    the pending Python values become one chunk per column: np.array of a chunk and
+    np.concatenate of the chunks give the dtype and values np.array gives the whole
+    column (int, float and bool promote the same piecewise). Mutates itself.
+    """
+
+    def __init__(self, chunk_steps: int = STEPS_CHUNK) -> None:
+        self._chunk_steps = chunk_steps
+        self._runs: list[tuple[type, list[list[np.ndarray]]]] = []
+        self._getter: Callable[[Any], tuple[Any, ...]] = tuple
+        self._position: dict[str, int] = {}  # stats attribute path -> column index
+        self._cells: list[list[Any]] = []  # [column] pending values, the earlier steps
+        self._rows: list[tuple[Any, ...]] = []  # pending full-width rows, the steps after _cells'
+        self._num_pending = 0
+
+    def add(self, timing: tuple[Any, ...], stats: Any) -> None:
+        """Record one step: ``timing`` holds STEP_COLUMNS' values."""
+        self._enter(type(stats))
+        self._rows.append(timing + self._getter(stats))
+        self._count(1)
+
+    def add_covered(self, timing: tuple[Iterable[Any], ...], covered: CoveredSteps) -> None:
+        """Record every step of a multi-step output: ``timing`` holds STEP_COLUMNS' values
+        as one iterable each. Covered steps take the template's value in each column, but
+        where ``covered.columns`` varies it."""
+        self._enter(type(covered.template))
+        cells = self._cells
+        _extend_columns(cells, self._rows)
+        self._rows = []
+        num = len(covered)
+        for index, values in enumerate(timing):
+            cells[index].extend(values)
+        varying = {self._position[path]: values for path, values in covered.columns.items()}
+        for index, value in enumerate(self._getter(covered.template), start=len(STEP_COLUMNS)):
+            cells[index].extend(varying.get(index, repeat(value, num)))
+        self._count(num)
+
+    def frame(self) -> pd.DataFrame:
+        """The steps frame; empties the recorder (its chunks go as they are joined)."""
+        self._flush()
+        frames = []
+        for cls, chunks in self._runs:
+            names = STEP_COLUMNS + stats_layout(cls)[0]
+            columns = {}
+            for index, name in enumerate(names):
+                parts, chunks[index] = chunks[index], []
+                columns[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            # The recorder owns the arrays: no copy (nor the copy into consolidated blocks).
+            frames.append(pd.DataFrame(columns, copy=False))
+        self._runs = []
+        if not frames:
+            return pd.DataFrame()
+        return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+
+    def _enter(self, cls: type) -> None:
+        """Make ``cls`` the current run's stats class, starting a run when it changes."""
+        if self._runs and self._runs[-1][0] is cls:
+            return
+        self._flush()
         columns, paths, getter = stats_layout(cls)
-        position = {path: index for index, path in enumerate(paths, start=len(STEP_COLUMNS))}
-        cells: list[list[Any]] = [[] for _ in range(len(STEP_COLUMNS) + len(columns))]
-        rows: list[tuple[Any, ...]] = []
-        for timing, stats in segments:
-            if not isinstance(stats, CoveredSteps):
-                rows.append(timing + getter(stats))
-                continue
-            _extend_columns(cells, rows)
-            rows = []
-            # Covered steps: the template's value repeated, but where a column varies.
-            num = len(stats)
-            varying = {position[path]: values for path, values in stats.columns.items()}
-            for index, value in enumerate(timing + getter(stats.template)):
-                if index < len(STEP_COLUMNS):
-                    cells[index].extend(value)
-                else:
-                    cells[index].extend(varying.get(index, repeat(value, num)))
-        _extend_columns(cells, rows)
-        # Column by column: from_records builds an object array of every cell first, a
-        # tenth of a second per 10K steps.
-        frames.append(pd.DataFrame(dict(zip(STEP_COLUMNS + columns, map(np.array, cells)))))
-    if not frames:
-        return pd.DataFrame()
-    return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+        width = len(STEP_COLUMNS) + len(columns)
+        self._runs.append((cls, [[] for _ in range(width)]))
+        self._getter = getter
+        self._position = {path: index for index, path in enumerate(paths, start=len(STEP_COLUMNS))}
+        self._cells = [[] for _ in range(width)]
 
+    def _count(self, num_steps: int) -> None:
+        self._num_pending += num_steps
+        if self._num_pending >= self._chunk_steps:
+            self._flush()
 
-def _stats_class(segment: tuple[Any, Any]) -> type:
-    stats = segment[1]
-    return type(stats.template) if isinstance(stats, CoveredSteps) else type(stats)
+    def _flush(self) -> None:
+        """Turn the pending values into one numpy chunk per column of the current run."""
+        if not self._num_pending:
+            return
+        _extend_columns(self._cells, self._rows)
+        self._rows = []
+        for chunks, values in zip(self._runs[-1][1], self._cells):
+            chunks.append(np.array(values))
+        self._cells = [[] for _ in self._cells]
+        self._num_pending = 0
 
 
 def _extend_columns(cells: list[list[Any]], rows: list[tuple[Any, ...]]) -> None:

@@ -17,6 +17,27 @@ from kvbench.specs import HardwareSpec, ModelSpec
 
 
 # --------------------------------------------------------------------------- workloads
+@runtime_checkable
+class ComputedTokenIds(Protocol):
+    """Prompt token ids computed when read instead of held: a recorded trace's prompts,
+    whose ids follow from a few keys per prompt (the full Mooncake replay's 145M ids
+    would hold 0.6 GB as int32 all the run through, and first touching that memory costs
+    more CPU than computing the ids).
+
+    ``len`` is free. ``ids()`` returns them all as a new read-only 1-D numpy integer array,
+    the same ids every call; indexing and slicing read them through it and ``np.asarray``
+    gives them too. Pure.
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: Any) -> Any: ...
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray: ...
+
+    def ids(self) -> np.ndarray: ...
+
+
 @dataclass(frozen=True, eq=False)
 class Request:
     """One user request as a workload produces it.
@@ -27,14 +48,17 @@ class Request:
 
     ``prompt_token_ids`` is a tuple of ints, or, for very large traces (the full Mooncake
     replay holds 145M prompt tokens: ~5 GB as Python ints, 0.6 GB as int32), a read-only
-    1-D numpy integer array. Consumers index, slice and take ``len`` of it; those that
-    need Python ints call ``.tolist()`` on a slice (or ``list(...)``). ``==`` compares
-    prompts by their token ids whichever form they take. Requests are not hashable.
+    1-D numpy integer array, or ``ComputedTokenIds`` (ids computed when read). Consumers
+    index, slice and take ``len`` of it; those that need Python ints call ``.tolist()`` on
+    a slice (or ``list(...)``). Engines never see ``ComputedTokenIds``: the runner hands
+    them ``with_prompt_in_memory()``, so a trace's prompts exist only while their requests
+    are in flight. ``==`` compares prompts by their token ids whichever form they take.
+    Requests are not hashable.
     """
 
     request_id: str
     arrival_s: float
-    prompt_token_ids: Sequence[int]  # tuple[int, ...] or a read-only numpy int array
+    prompt_token_ids: Sequence[int]  # tuple[int, ...], a read-only numpy int array or ComputedTokenIds
     max_new_tokens: int
     n: int = 1
     beam_width: int = 1
@@ -52,6 +76,14 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    def with_prompt_in_memory(self) -> Request:
+        """This request with its prompt's ids held: itself unless the prompt is
+        ``ComputedTokenIds``, else a copy whose prompt is their read-only array. Pure."""
+        prompt = self.prompt_token_ids
+        if isinstance(prompt, ComputedTokenIds):
+            return replace(self, prompt_token_ids=prompt.ids())
+        return self
+
     def __eq__(self, other: object) -> bool:
         # The generated __eq__ compares field tuples, and numpy's elementwise == of two
         # array prompts has no single truth value; compare prompts by their ids instead.
@@ -59,10 +91,10 @@ class Request:
             return NotImplemented
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "prompt_token_ids" and (
-                isinstance(mine, np.ndarray) or isinstance(theirs, np.ndarray)
+            if f.name == "prompt_token_ids" and any(
+                isinstance(prompt, (np.ndarray, ComputedTokenIds)) for prompt in (mine, theirs)
             ):
-                if not np.array_equal(mine, theirs):
+                if not np.array_equal(np.asarray(mine), np.asarray(theirs)):
                     return False
             elif mine != theirs:
                 return False

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from run_fixtures import run_kvbench
 
+from kvbench.types import ComputedTokenIds
 from kvbench.workloads.distributions import EmpiricalLength
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.replay import ReplayOptions, replay, scaled_block_lengths
@@ -400,14 +401,16 @@ def assert_same_workload(a, b) -> None:
         assert dataclasses.replace(ra, prompt_token_ids=()) == dataclasses.replace(rb, prompt_token_ids=())
 
 
-def test_mooncake_prompts_are_read_only_int32_arrays_built_per_hash_block() -> None:
+def test_mooncake_prompts_are_computed_per_hash_block_as_read_only_int32_arrays() -> None:
     trace = parse_trace(MOONCAKE_CONV)
     workload = replay(
         trace, ReplayOptions(length_scale=1 / 16, max_requests=40), vocab_size=BIG_VOCAB, seed=3
     )
     by_line = {int(r.tags["line"]): r for r in workload.requests}
     for record in trace.records[:40]:
-        prompt = by_line[record.line].prompt_token_ids
+        request = by_line[record.line]
+        assert isinstance(request.prompt_token_ids, ComputedTokenIds)  # ids computed when read
+        prompt = request.with_prompt_in_memory().prompt_token_ids
         assert isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and not prompt.flags.writeable
         # The same ids as keying every token of the prompt at once (block id, offset in block).
         lengths = scaled_block_lengths(record, 1 / 16)

@@ -12,16 +12,17 @@ Token ids: a Mooncake block is content-addressed by its hash id, so requests tha
 hash-id prefixes share token prefixes exactly; traces with only lengths get random ids
 keyed by the record's line (a record keeps its ids whatever the window or sample).
 
-Hash-id (Mooncake) prompts are read-only int32 numpy arrays (``Request`` allows them):
-the full conversation trace holds 145M prompt tokens, ~5 GB as tuples of Python ints
-and 0.6 GB as arrays, and each hash block's ids are computed once and concatenated.
-Other traces keep tuples.
+Hash-id (Mooncake) prompts are ``HashBlockPrompt``s, ids computed when read (``Request``
+allows such ``ComputedTokenIds``; the runner hands engines read-only int32 arrays): the
+full conversation trace holds 145M prompt tokens, ~5 GB as tuples of Python ints and
+0.6 GB as int32, against ~6 MB of block keys and lengths. Other traces keep tuples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from kvbench.workloads.tokens import (
     check_vocab_size,
     derive_rng,
     keyed_block_bases,
-    keyed_ids_from_bases,
+    keyed_block_ids_into,
     random_token_ids,
 )
 from kvbench.workloads.trace_formats import MOONCAKE_BLOCK_TOKENS, ParsedTrace, TraceRecord
@@ -138,17 +139,16 @@ def replay(
     for key in _TRUNCATION_COUNTERS:
         counters[key] = 0
     extra_tags = {"kind": "trace", "format": trace.format, **process.request_tags()}
-    blocks = _HashBlockIds(seed, vocab_size)
-    blocks.prefetch(
-        block
-        for record in (records[i] for i in indices)
-        if record.hash_ids is not None
-        for block in zip(record.hash_ids, scaled_block_lengths(record, options.length_scale).tolist())
+    hashed = _hash_id_prompts(
+        [records[i] for i in indices if records[i].hash_ids is not None], options, vocab_size, seed
     )
     requests = []
     for index in indices:
         record = records[index]
-        prompt, prompt_len = _prompt_ids(record, options, vocab_size, seed, blocks)
+        if record.hash_ids is not None:
+            prompt, prompt_len = next(hashed)
+        else:
+            prompt, prompt_len = _prompt_ids(record, options, vocab_size, seed)
         if prompt_len > len(prompt):
             counters["num_prompts_truncated"] += 1
             counters["num_prompt_tokens_truncated"] += prompt_len - len(prompt)
@@ -190,63 +190,91 @@ def scaled_block_lengths(record: TraceRecord, length_scale: float) -> np.ndarray
     return lengths
 
 
-class _HashBlockIds:
-    """Token ids of Mooncake hash blocks, computed once per (hash id, length) for one
-    replay: conversation turns repeat their history's blocks, so most are cache hits."""
+@dataclass(frozen=True, eq=False)
+class HashBlockPrompt:
+    """A Mooncake prompt as ``ComputedTokenIds``: the ids of its hash blocks (block ``b``:
+    ``lengths[b]`` ids keyed by the seed and its hash id, offsets from 0;
+    ``keyed_token_ids``), computed when read. Two prompts sharing a hash-id prefix
+    share those ids exactly, as the keyed definition does not depend on the rest.
 
-    def __init__(self, seed: int, vocab_size: int) -> None:
-        self._seed = seed
-        self._vocab_size = vocab_size
-        self._ids: dict[tuple[int, int], np.ndarray] = {}
+    ``bases``: ``keyed_block_bases(seed, hash ids)`` uint64 [num_blocks]; ``lengths``:
+    int64 [num_blocks] after length scaling and the prompt cap. Both read-only. Holds a
+    few bytes per 512-token block instead of the ids.
+    """
 
-    def prefetch(self, blocks: Iterable[tuple[int, int]]) -> None:
-        """Compute the ids of these (hash id, length) blocks not cached yet, _PREFETCH_BLOCKS
-        per vectorised call: per-prompt calls cost ~0.6 s more of numpy overhead on the
-        Mooncake conversation trace, and bigger batches fall out of cache. Mutates the
-        cache."""
-        cache = self._ids
-        missing = list(dict.fromkeys(block for block in blocks if block not in cache))
-        for start in range(0, len(missing), _PREFETCH_BLOCKS):
-            self._compute(missing[start : start + _PREFETCH_BLOCKS])
+    bases: np.ndarray
+    lengths: np.ndarray
+    vocab_size: int
+    num_tokens: int
 
-    def prompt(self, hash_ids: list[int], lengths: np.ndarray) -> np.ndarray:
-        """The prompt of these blocks: a new read-only int32 array. Mutates the cache."""
-        blocks = list(zip(hash_ids, lengths.tolist()))
-        cache = self._ids
-        missing = list(dict.fromkeys(block for block in blocks if block not in cache))
-        if missing:
-            self._compute(missing)
-        prompt = np.concatenate([cache[block] for block in blocks])  # [num_tokens] int32
-        prompt.flags.writeable = False
-        return prompt
+    def __len__(self) -> int:
+        return self.num_tokens
 
-    def _compute(self, missing: list[tuple[int, int]]) -> None:
-        """Cache the ids of these distinct uncached blocks, in one vectorised call."""
-        new_lengths = np.array([length for _, length in missing], dtype=np.int64)  # [m]
-        ends = np.cumsum(new_lengths)  # [m]
-        # Each block's key mixed once, then repeated over its tokens.
-        bases = np.repeat(keyed_block_bases(self._seed, [h for h, _ in missing]), new_lengths)  # [total]
-        offsets = np.arange(int(ends[-1])) - np.repeat(ends - new_lengths, new_lengths)  # [total]
-        # ids: [total] int32 (vocabularies are far below 2**31)
-        ids = keyed_ids_from_bases(bases, offsets, self._vocab_size).astype(np.int32)
-        self._ids.update(zip(missing, np.split(ids, ends[:-1])))
+    def ids(self) -> np.ndarray:
+        """The ids: a new read-only int32 array [num_tokens] (vocabularies are far below 2**31)."""
+        ids = np.empty(self.num_tokens, dtype=np.int32)
+        keyed_block_ids_into(self.bases, self.lengths, self.vocab_size, ids)
+        ids.flags.writeable = False
+        return ids
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.ids()[index]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        ids = self.ids()
+        return ids if dtype is None else ids.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"HashBlockPrompt({self.num_tokens} ids in {len(self.lengths)} blocks)"
 
 
-_PREFETCH_BLOCKS = 256  # 128K tokens of 512-token Mooncake blocks per call (cache-sized arrays)
+def _hash_id_prompts(
+    records: list[TraceRecord], options: ReplayOptions, vocab_size: int, seed: int
+) -> Iterator[tuple[HashBlockPrompt, int]]:
+    """Per hash-id record, in order: its prompt after length scaling, cut to
+    ``max_prompt_tokens``, and the prompt's length before the cut. Every block's base is
+    mixed in one vectorised call; the prompts hold views of the two arrays."""
+    cap = options.max_prompt_tokens
+    keys: list[int] = []
+    lengths: list[np.ndarray] = []
+    full_lens: list[int] = []
+    for record in records:
+        assert record.hash_ids is not None
+        block_lens = scaled_block_lengths(record, options.length_scale)  # [num_blocks]
+        full_len = int(block_lens.sum())
+        if cap is not None and full_len > cap:
+            ends = np.cumsum(block_lens)
+            num_kept = int(np.searchsorted(ends, cap)) + 1  # blocks that start before the cap
+            block_lens = block_lens[:num_kept].copy()
+            block_lens[-1] -= int(ends[num_kept - 1]) - cap
+        keys.extend(record.hash_ids[: len(block_lens)])
+        lengths.append(block_lens)
+        full_lens.append(full_len)
+    if not records:
+        return iter(())
+    all_lengths = np.concatenate(lengths)  # [total blocks]
+    all_bases = keyed_block_bases(seed, keys)  # [total blocks]
+    all_lengths.flags.writeable = all_bases.flags.writeable = False
+    ends = np.cumsum([len(block_lens) for block_lens in lengths]).tolist()
+    return (
+        (
+            HashBlockPrompt(
+                all_bases[end - len(n) : end], all_lengths[end - len(n) : end], vocab_size, int(n.sum())
+            ),
+            full_len,
+        )
+        for n, end, full_len in zip(lengths, ends, full_lens)
+    )
 
 
 def _prompt_ids(
-    record: TraceRecord, options: ReplayOptions, vocab_size: int, seed: int, blocks: _HashBlockIds
+    record: TraceRecord, options: ReplayOptions, vocab_size: int, seed: int
 ) -> tuple[np.ndarray, int]:
-    """The record's prompt token ids after length scaling, cut to ``max_prompt_tokens``,
-    and the prompt's length before the cut: a read-only int32 array for hash-id records
-    (from ``blocks``), int64 otherwise. Random ids are drawn only up to the cap (the
-    first n draws of a stream do not depend on how many follow), so a huge recorded
-    length costs nothing when capped."""
+    """The prompt token ids (int64) of a record without hash ids after length scaling,
+    cut to ``max_prompt_tokens``, and the prompt's length before the cut. Random ids are
+    drawn only up to the cap (the first n draws of a stream do not depend on how many
+    follow), so a huge recorded length costs nothing when capped."""
     cap = options.max_prompt_tokens
-    if record.hash_ids is not None:
-        prompt = blocks.prompt(record.hash_ids, scaled_block_lengths(record, options.length_scale))
-        return prompt[:cap], len(prompt)
     length = max(1, round(record.input_length * options.length_scale))
     kept = length if cap is None else min(length, cap)
     if record.prompt_token_ids is not None:

@@ -1,0 +1,280 @@
+"""What keeps a long simulated trace small and quick to load: the steps frame built in
+numpy chunks as the run goes (no step output kept to the end), trace prompts computed
+when read (ids exist only while their request is in flight), and the compiled keyed-id
+pass that computes them. Each is checked against the plain definition it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvbench.runner as runner
+from kvbench.engines.paged import PagedEngine
+from kvbench.engines.sim.executor import CostModelExecutor
+from kvbench.runner import STEP_COLUMNS, SimClock, StepsRecorder, replay
+from kvbench.specs import HardwareSpec, ModelSpec
+from kvbench.types import (
+    ComputedTokenIds,
+    CoveredSteps,
+    EngineContext,
+    KVUsage,
+    Request,
+    StepOutput,
+    StepStats,
+)
+from kvbench.workloads.replay import ReplayOptions
+from kvbench.workloads.replay import replay as replay_trace
+from kvbench.workloads.tokens import keyed_block_bases, keyed_block_ids_into, keyed_ids_from_bases
+from kvbench.workloads.traces import load_trace, parse_trace
+
+MOONCAKE_HEAD = Path(__file__).parent / "fixtures" / "traces" / "mooncake_conversation_head200.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedStepStats(StepStats):
+    """A second stats class with one more column (an engine reporting extra fields)."""
+
+    host_wait_s: float = 0.0
+
+
+# --------------------------------------------------------------------------- steps frame
+def reference_steps_frame(entries: list[tuple[Any, Any]]) -> pd.DataFrame:
+    """The steps frame by its plain definition: one row per step (a covered step's stats
+    from ``CoveredSteps.stats``), fields of nested records flattened as ``outer_inner``,
+    consecutive steps of one stats class as one frame of np.array columns, the frames
+    concatenated (columns aligned by name)."""
+    rows: list[tuple[type, dict[str, Any]]] = []
+    for timing, item in entries:
+        if isinstance(item, CoveredSteps):
+            columns = [list(values) for values in timing]
+            steps = [([column[i] for column in columns], item.stats(i)) for i in range(len(item))]
+        else:
+            steps = [(list(timing), item)]
+        for values, stats in steps:
+            row = dict(zip(STEP_COLUMNS, values))
+            for f in dataclasses.fields(stats):
+                value = getattr(stats, f.name)
+                if dataclasses.is_dataclass(value):
+                    row.update(
+                        {f"{f.name}_{g.name}": getattr(value, g.name) for g in dataclasses.fields(value)}
+                    )
+                else:
+                    row[f.name] = value
+            rows.append((type(stats), row))
+    frames = [
+        pd.DataFrame({name: np.array([row[name] for row in group]) for name in group[0]})
+        for _, group in (
+            (cls, [row for _, row in run]) for cls, run in itertools.groupby(rows, key=lambda r: r[0])
+        )
+    ]
+    return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+
+
+# Values of mixed kinds in one column: ints, floats (NaN too) and bools promote as one array.
+scalar = st.one_of(
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=True, allow_infinity=False, width=64),
+    st.booleans(),
+)
+
+
+@st.composite
+def step_entries(draw: st.DrawFn) -> list[tuple[Any, Any]]:
+    entries: list[tuple[Any, Any]] = []
+    step = 0
+    for _ in range(draw(st.integers(1, 12))):
+        cls = draw(st.sampled_from([StepStats, TimedStepStats]))
+        kv = KVUsage(capacity_bytes=draw(scalar), allocated_bytes=draw(scalar), token_bytes=draw(scalar))
+        extra = {"host_wait_s": draw(scalar)} if cls is TimedStepStats else {}
+        stats = cls(draw(scalar), 0, draw(scalar), 0, 1, kv, fetch_recall=draw(scalar), **extra)
+        num = draw(st.integers(1, 5))
+        starts = [draw(st.floats(0, 1e6)) for _ in range(num)]
+        ends = [start + draw(st.floats(0, 1.0)) for start in starts]
+        if draw(st.booleans()) and num > 0:
+            varying = draw(st.sets(st.sampled_from(["num_running", "kv.token_bytes", "fetch_recall"])))
+            covered = CoveredSteps(
+                durations_s=tuple(e - s for s, e in zip(starts, ends)),
+                template=stats,
+                columns={path: [draw(scalar) for _ in range(num)] for path in sorted(varying)},
+                request_ids=("r",),
+                sample_indexes=(0,),
+                token_ids=(tuple(range(num)),),
+            )
+            timing = (
+                range(step, step + num),
+                starts,
+                ends,
+                [e - s for s, e in zip(starts, ends)],
+                [math.nan] * num,
+            )
+            entries.append((timing, covered))
+            step += num
+        else:
+            entries.append(((step, starts[0], ends[0], ends[0] - starts[0], math.nan), stats))
+            step += 1
+    return entries
+
+
+@settings(max_examples=150, deadline=None)
+@given(entries=step_entries(), chunk_steps=st.integers(1, 9))
+def test_steps_recorder_builds_the_frame_of_the_plain_definition(
+    entries: list[tuple[Any, Any]], chunk_steps: int
+) -> None:
+    recorder = StepsRecorder(chunk_steps)
+    for timing, item in entries:
+        if isinstance(item, CoveredSteps):
+            recorder.add_covered(timing, item)
+        else:
+            recorder.add(timing, item)
+    pd.testing.assert_frame_equal(recorder.frame(), reference_steps_frame(entries), check_exact=True)
+
+
+def test_steps_recorder_without_steps_gives_an_empty_frame() -> None:
+    assert StepsRecorder().frame().empty
+
+
+class RecordingEngine(PagedEngine):
+    """A simulated paged engine that keeps every StepOutput and every request it was given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs: list[StepOutput] = []
+        self.added: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.added.append(request)
+        super().add_request(request)
+
+    def step(self) -> StepOutput:
+        output = super().step()
+        self.outputs.append(output)
+        return output
+
+
+def run_mooncake_head(monkeypatch: pytest.MonkeyPatch, chunk_steps: int) -> tuple[Any, RecordingEngine]:
+    monkeypatch.setattr(runner, "STEPS_CHUNK", chunk_steps)
+    spec = ModelSpec()  # tiny-gqa
+    ctx = EngineContext(spec, HardwareSpec(step_overhead_s=5e-3), None, "cpu", "fp32", 0, "sim")
+    workload = load_trace(
+        str(MOONCAKE_HEAD),
+        vocab_size=spec.vocab_size,
+        length_scale=1 / 64,
+        output_scale=1 / 4,
+        max_requests=60,
+    )
+    engine = RecordingEngine(
+        ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), num_blocks=400, max_num_seqs=16
+    )
+    return replay(engine, workload, SimClock()), engine
+
+
+def test_a_sim_run_records_its_steps_across_chunks_as_the_plain_definition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    raw, engine = run_mooncake_head(monkeypatch, chunk_steps=7)
+    covered = [output.covered_steps for output in engine.outputs if output.covered_steps is not None]
+    assert covered and any(len(c) > 1 for c in covered)  # multi-step outputs and single steps
+    assert len(covered) < len(engine.outputs) and raw.num_steps > 7 * 10  # many chunks
+    entries = [
+        (
+            [[math.nan] * len(output.covered_steps)] * len(STEP_COLUMNS)
+            if output.covered_steps is not None
+            else [math.nan] * len(STEP_COLUMNS),
+            output.covered_steps if output.covered_steps is not None else output.stats,
+        )
+        for output in engine.outputs
+    ]
+    expected = reference_steps_frame(entries)
+    stats_columns = [name for name in expected.columns if name not in STEP_COLUMNS]
+    pd.testing.assert_frame_equal(raw.steps[stats_columns], expected[stats_columns], check_exact=True)
+    assert raw.steps["step"].tolist() == list(range(raw.num_steps))
+    starts, ends = raw.steps["start_s"].to_numpy(), raw.steps["end_s"].to_numpy()
+    assert (ends >= starts).all() and (starts[1:] >= ends[:-1]).all()
+    # The same run recorded in one chunk gives the same frame.
+    whole, _ = run_mooncake_head(monkeypatch, chunk_steps=1 << 30)
+    pd.testing.assert_frame_equal(raw.steps, whole.steps, check_exact=True)
+
+
+# --------------------------------------------------------------------------- trace prompts
+def test_engines_get_trace_prompts_as_read_only_int32_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw, engine = run_mooncake_head(monkeypatch, chunk_steps=4096)
+    workload_prompts = {
+        r.request_id: r.prompt_token_ids
+        for r in load_trace(
+            str(MOONCAKE_HEAD), vocab_size=ModelSpec().vocab_size, length_scale=1 / 64, output_scale=1 / 4,
+            max_requests=60,
+        ).requests
+    }  # fmt: skip
+    assert len(engine.added) == len(workload_prompts) == len(raw.requests)
+    for request in engine.added:
+        prompt = request.prompt_token_ids
+        assert isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and not prompt.flags.writeable
+        computed = workload_prompts[request.request_id]
+        assert isinstance(computed, ComputedTokenIds) and not isinstance(computed, np.ndarray)
+        assert np.array_equal(prompt, np.asarray(computed)) and len(prompt) == len(computed)
+
+
+def test_computed_prompts_read_like_their_ids_and_compare_equal_across_forms() -> None:
+    trace = parse_trace(MOONCAKE_HEAD)
+    workload = replay_trace(
+        trace, ReplayOptions(length_scale=1 / 16, max_requests=20), vocab_size=50_000, seed=3
+    )
+    for request in workload.requests:
+        computed = request.prompt_token_ids
+        held = request.with_prompt_in_memory()
+        ids = held.prompt_token_ids
+        assert isinstance(ids, np.ndarray) and ids.dtype == np.int32 and not ids.flags.writeable
+        assert held == request and request == held and held is not request
+        assert held.with_prompt_in_memory() is held
+        assert np.array_equal(computed[3:40], ids[3:40]) and computed[-1] == ids[-1]
+        assert np.array_equal(np.asarray(computed, dtype=np.int64), ids.astype(np.int64))
+        assert np.array_equal(computed.ids(), ids)  # the same ids every call
+        different = dataclasses.replace(held, prompt_token_ids=tuple(ids[:-1].tolist()) + (int(ids[-1]) + 1,))
+        assert request != different and different != request
+
+
+@pytest.mark.parametrize("cap", [1, 511, 512, 513, 1800])
+def test_capped_computed_prompts_are_the_uncapped_prompts_cut(cap: int) -> None:
+    trace = parse_trace(MOONCAKE_HEAD)
+    full = replay_trace(trace, ReplayOptions(max_requests=30), vocab_size=50_000, seed=1)
+    capped = replay_trace(
+        trace, ReplayOptions(max_requests=30, max_prompt_tokens=cap), vocab_size=50_000, seed=1
+    )
+    num_cut = 0
+    for a, b in zip(full.requests, capped.requests):
+        assert b.request_id == a.request_id and len(b.prompt_token_ids) == min(cap, len(a.prompt_token_ids))
+        assert np.array_equal(np.asarray(b.prompt_token_ids), np.asarray(a.prompt_token_ids)[:cap])
+        num_cut += len(a.prompt_token_ids) > cap
+    assert capped.counters["num_prompts_truncated"] == num_cut > 0
+
+
+# --------------------------------------------------------------------------- keyed ids
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    blocks=st.lists(st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 40)), max_size=12),
+    vocab_size=st.integers(4, 2**31 - 1),
+    dtype=st.sampled_from([np.int32, np.int64]),
+)
+def test_compiled_keyed_block_ids_equal_the_numpy_definition(
+    seed: int, blocks: list[tuple[int, int]], vocab_size: int, dtype: type
+) -> None:
+    keys = [key for key, _ in blocks]
+    lengths = np.array([n for _, n in blocks], dtype=np.int64)
+    bases = keyed_block_bases(seed, np.array(keys, dtype=np.int64))
+    out = np.full(int(lengths.sum()), -1, dtype=dtype)
+    keyed_block_ids_into(bases, lengths, vocab_size, out)
+    ends = np.cumsum(lengths)
+    offsets = np.arange(int(lengths.sum())) - np.repeat(ends - lengths, lengths)
+    expected = keyed_ids_from_bases(np.repeat(bases, lengths), offsets, vocab_size)
+    assert np.array_equal(out, expected)
