@@ -250,6 +250,26 @@ def test_vectorised_stand_in_tokens_equal_the_scalar_draw():
     assert got.tolist() == want
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, (1 << 63) - 1), st.integers(0, 64), st.integers(0, 1 << 62)), max_size=6
+    ),
+    num_steps=st.integers(0, 9),
+    vocab_size=st.sampled_from([4, 5, 32000, 128256, 1 << 31]),
+)
+def test_compiled_stand_in_tokens_equal_the_scalar_draw(rows, num_steps, vocab_size):
+    from kvbench.engines.sim.stand_in import stand_in_token, stand_in_tokens
+
+    got = stand_in_tokens(
+        [b for b, _, _ in rows], [s for _, s, _ in rows], [p for _, _, p in rows], num_steps, vocab_size
+    )
+    assert got.shape == (len(rows), num_steps)
+    assert got.tolist() == [
+        [stand_in_token(b, s, p + k, vocab_size) for k in range(num_steps)] for b, s, p in rows
+    ]
+
+
 class RecordingEngine(CountingEngine):
     """Also keeps what each multi-step output carried besides its decode run."""
 

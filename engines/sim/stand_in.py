@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
+from numba import njit
 
 from kvbench.engines.sched.scheduler import Scheduler
 from kvbench.engines.sched.sequence import Sequence, SequenceGroup
-from kvbench.hashing import GOLDEN64, MASK64, mix64, stable_seed
+from kvbench.hashing import GOLDEN64, MASK64, mix64_u64, stable_seed
 from kvbench.types import TokenEvent
 
 _SAMPLE64 = 0xD1B54A32D192ED03
@@ -42,14 +43,28 @@ def stand_in_tokens(
     ``[i, k]`` equals ``stand_in_token(bases[i], sample_indexes[i], first_positions[i] + k,
     vocab_size)`` (uint64 arithmetic wraps mod 2**64 like the masked Python version).
     Returns int64 [len(bases), num_steps]. Pure."""
-    u64 = np.uint64
-    x = (
-        np.asarray(bases, dtype=u64)[:, None]
-        + (np.asarray(sample_indexes, dtype=u64)[:, None] + u64(1)) * u64(_SAMPLE64)
-        + (np.asarray(first_positions, dtype=u64)[:, None] + np.arange(1, num_steps + 1, dtype=u64))
-        * u64(GOLDEN64)
+    out = np.empty((len(bases), num_steps), dtype=np.int64)
+    _stand_in_tokens_into(
+        np.asarray(bases, dtype=np.uint64),
+        np.asarray(sample_indexes, dtype=np.uint64),
+        np.asarray(first_positions, dtype=np.uint64),
+        vocab_size,
+        out,
     )
-    return (u64(3) + mix64(x) % u64(vocab_size - 3)).astype(np.int64)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _stand_in_tokens_into(bases, sample_indexes, first_positions, vocab_size, out):  # pragma: no cover
+    """``stand_in_tokens``' loop, compiled: one pass writing ``out`` int64 [seqs, steps]
+    (the numpy form built five [seqs, steps] uint64 temporaries per window)."""
+    golden = np.uint64(GOLDEN64)
+    num_regular = np.uint64(vocab_size - 3)
+    for i in range(out.shape[0]):
+        x = bases[i] + (sample_indexes[i] + np.uint64(1)) * np.uint64(_SAMPLE64) + first_positions[i] * golden
+        for k in range(out.shape[1]):
+            x += golden  # position first_positions[i] + k, counted from 1
+            out[i, k] = np.int64(mix64_u64(x) % num_regular) + 3
 
 
 class StandInTokens:
