@@ -144,3 +144,59 @@ def test_sizes_env_var(monkeypatch) -> None:
     monkeypatch.setenv("KVBENCH_X", "all")
     with pytest.raises(ValueError, match="KVBENCH_X: expected comma-separated integers, got 'all'"):
         rounds.sizes_from_env("KVBENCH_X", "300")
+
+
+def test_verify_sees_every_outcome_off_the_clock() -> None:
+    clock = Ticks()
+    seen: list[tuple[str, int]] = []
+    calls = {"a": 0, "b": 0}
+
+    def variant(name: str, seconds: float):
+        def prepare():
+            def work() -> int:
+                calls[name] += 1
+                clock.now += seconds
+                return calls[name]
+
+            return work
+
+        return prepare
+
+    def verify(name: str, outcome: int) -> None:
+        seen.append((name, outcome))
+        clock.now += 100.0  # a check this slow would swamp both figures if it were timed
+
+    result = rounds.run_rounds(
+        {"a": variant("a", 1.0), "b": variant("b", 2.0)}, num_rounds=5, clock=clock.read, verify=verify
+    )
+    assert result.seconds == {"a": (1.0,) * 5, "b": (2.0,) * 5}
+    # The warm-up's outcomes (call 1), then every round's in the rotated order.
+    rotated = ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    counts = {"a": 1, "b": 1}
+    expected = [("a", 1), ("b", 1)]
+    for name in rotated:
+        counts[name] += 1
+        expected.append((name, counts[name]))
+    assert seen == expected
+
+
+def test_a_failing_verify_ends_the_run() -> None:
+    clock = Ticks()
+    num_prepared = [0]
+
+    def prepare():
+        num_prepared[0] += 1
+
+        def work() -> int:
+            clock.now += 1.0
+            return num_prepared[0]
+
+        return work
+
+    def verify(name: str, outcome: int) -> None:
+        if outcome == 2:
+            raise AssertionError(f"{name}: outcome {outcome} is wrong")
+
+    with pytest.raises(AssertionError, match="x: outcome 2 is wrong"):
+        rounds.run_rounds({"x": prepare}, num_rounds=5, clock=clock.read, warmup=False, verify=verify)
+    assert num_prepared[0] == 2  # no round after the failing one

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvbench.engines.kv.protocol import NO_OPS
+from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError
 from kvbench.engines.kv.token_ids import TokenPrefix, TokenSpan
 from kvbench.engines.sched.sequence import GroupStatus, Sequence, SequenceGroup, num_samples
 from kvbench.sim.cost_model import StepShape
@@ -145,6 +145,11 @@ class ScheduledChunk(NamedTuple):
         return len(self.token_ids)
 
 
+# Builds a ScheduledChunk as ``_new_tuple(ScheduledChunk, fields)``: the tuple its
+# constructor builds, minus the named tuple's Python-level ``__new__``.
+_new_tuple = tuple.__new__
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One iteration's plan: what to compute and the KV work to do first.
@@ -191,16 +196,9 @@ def is_decode_chunk(seq: Sequence, start: int, num_tokens: int) -> bool:
     return num_tokens == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens
 
 
-class _Piece:
-    """A chunk being planned (mutable while the step is planned)."""
-
-    __slots__ = ("group", "seq", "start", "num_tokens")
-
-    def __init__(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
-        self.group = group
-        self.seq = seq
-        self.start = start
-        self.num_tokens = num_tokens
+# A chunk being planned: (group, sequence, start position, number of tokens). A plain
+# tuple: one is built per running sequence per step, and nothing changes it once planned.
+_Piece = tuple[SequenceGroup, Sequence, int, int]
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -225,6 +223,10 @@ class Scheduler:
         self.chunk_contents = chunk_contents
         self.policy = VICTIM_POLICIES[config.victim_policy]()
         self._register_on_schedule = config.register_blocks == "on_schedule"
+        # Whether schedule() plans running groups with the decode fast path
+        # (``_plan_running``) or group by group (``_plan_running_plain``): the same plans;
+        # False only for the differential test.
+        self.fast_decodes = True
         self.block_size = kv.block_size
         self.waiting: list[SequenceGroup] = []  # sorted by policy key
         self.running: list[SequenceGroup] = []  # sorted by policy key; victims from the end
@@ -326,12 +328,61 @@ class Scheduler:
             output, self._prepared = self._prepared, None
             return output
         self._begin_plan()
+        if self.fast_decodes:
+            self._plan_running()
+        else:
+            self._plan_running_plain()
+        return self._finish_plan()
+
+    def _plan_running_plain(self) -> None:
+        """Give every running group its tokens, most important first (``_schedule_running``)."""
         index = 0
         while index < len(self.running):
-            group = self.running[index]
+            if self._schedule_running(self.running[index]):
+                index += 1
+
+    def _plan_running(self) -> None:
+        """``_plan_running_plain`` with the common case inlined: a running group of one
+        attached sequence whose only uncomputed token is its newest (a decode token, or
+        the last token of a prompt) gets that token, exactly as ``_schedule_running``
+        would plan it; every other group goes through ``_schedule_running``.
+
+        Why it is the same plan: with one sequence and a positive budget, a beam group
+        holds nothing back and fits its lockstep rule, so ``_schedule_running`` gives the
+        sequence 1 token. ``append`` raising KVCapacityError is ``can_append`` being False
+        (the KV-manager contract: it raises before changing anything), which is when
+        ``_schedule_running`` calls ``_make_room``. tests/test_sched_fast_decodes.py runs
+        both on the same workloads."""
+        running = self.running
+        append = self.kv.append
+        pieces = self._pieces  # _drop_pieces edits it in place
+        ops = self._ops
+        register = self._register_on_schedule
+        index = 0
+        while index < len(running):
+            group = running[index]
+            seqs = group.seqs
+            if len(seqs) == 1 and self._budget > 0 and not group.num_detached:
+                seq = seqs[0]
+                start = seq.num_computed_tokens
+                if len(seq.token_ids) - start == 1:
+                    seq_id = seq.seq_id
+                    try:
+                        new_ops = append(seq_id, 1)
+                    except KVCapacityError:
+                        if not self._make_room(group, seq_id, 1):
+                            continue  # it preempted itself: the next group is at ``index`` now
+                        new_ops = append(seq_id, 1)
+                    if new_ops is not NO_OPS:
+                        ops.append(new_ops)
+                    pieces.append((group, seq, start, 1))
+                    self._budget -= 1
+                    if register:
+                        self._register_scheduled(group)
+                    index += 1
+                    continue
             if self._schedule_running(group):
                 index += 1
-        return self._finish_plan()
 
     def _begin_plan(self) -> None:
         self._pieces = []
@@ -449,7 +500,7 @@ class Scheduler:
             return None
         self._begin_plan()
         # The batch's pieces stay planned: admission reads whether any piece is planned.
-        self._pieces = [_Piece(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
+        self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
         self._budget = budget
         return self._finish_plan(first_piece)
 
@@ -652,7 +703,7 @@ class Scheduler:
             ops = kv.append(seq_id, num_tokens)
             if ops is not NO_OPS:
                 self._ops.append(ops)
-            pieces.append(_Piece(group, seq, seq.num_computed_tokens, num_tokens))
+            pieces.append((group, seq, seq.num_computed_tokens, num_tokens))
             self._budget -= num_tokens
             if self._budget <= 0:
                 break
@@ -756,31 +807,31 @@ class Scheduler:
         prefix index (and, for de-duplicated blocks, the group's block tables)."""
         pieces = self._pieces
         first = len(pieces)
-        while first > 0 and pieces[first - 1].group is group:
+        while first > 0 and pieces[first - 1][0] is group:
             first -= 1
         kv = self.kv
-        for piece in pieces[first:]:
-            seq = piece.seq
-            if is_decode_chunk(seq, piece.start, piece.num_tokens):
+        for _, seq, start, num_tokens in pieces[first:]:
+            if is_decode_chunk(seq, start, num_tokens):
                 continue
-            end = piece.start + piece.num_tokens
+            end = start + num_tokens
             tokens = seq.token_ids
             kv.commit(seq.seq_id, tokens if end == len(tokens) else TokenPrefix(tokens, end))
 
     def _add_piece(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
-        self._pieces.append(_Piece(group, seq, start, num_tokens))
+        self._pieces.append((group, seq, start, num_tokens))
         self._budget -= num_tokens
 
     def _drop_pieces(self, group: SequenceGroup) -> None:
-        kept = [piece for piece in self._pieces if piece.group is not group]
-        self._budget += sum(p.num_tokens for p in self._pieces if p.group is group)
-        self._pieces = kept
+        pieces = self._pieces
+        self._budget += sum(piece[3] for piece in pieces if piece[0] is group)
+        # In place: the running loop (_plan_running) holds the list.
+        pieces[:] = [piece for piece in pieces if piece[0] is not group]
 
     def _preempt_self(self, group: SequenceGroup) -> None:
         """The group cannot grow even after every less important group was preempted."""
         # Slots appended this step for some of its sequences were never computed; swap
         # would carry them along, so a partly grown group is recomputed instead.
-        partly_grown = any(piece.group is group for piece in self._pieces)
+        partly_grown = any(piece[0] is group for piece in self._pieces)
         self._drop_pieces(group)
         self.running.remove(group)
         if not self.running:
@@ -996,14 +1047,15 @@ class Scheduler:
         """Chunks, prefill / decode / recomputed token counts and peaks of the planned
         pieces from ``first_piece`` on; they become ``complete_step``'s pieces."""
         kv = self.kv
-        chunks = []
+        chunk_contents = self.chunk_contents
+        chunks: list[ScheduledChunk] = []
         num_prefill = num_decode = num_recomputed = 0
         touched: dict[int, SequenceGroup] = {}
         pieces = self._pieces[first_piece:] if first_piece else self._pieces
-        for piece in pieces:
-            seq, start, num_tokens = piece.seq, piece.start, piece.num_tokens
+        for group, seq, start, num_tokens in pieces:
+            tokens = seq.token_ids
             end = start + num_tokens
-            seq_len = len(seq.token_ids)
+            seq_len = len(tokens)
             is_decode = is_decode_chunk(seq, start, num_tokens)
             if is_decode:
                 num_decode += 1
@@ -1012,18 +1064,20 @@ class Scheduler:
             if start < seq.num_lost_tokens:
                 lost = min(end, seq.num_lost_tokens) - start
                 num_recomputed += lost
-                piece.group.num_recomputed_tokens += lost
+                group.num_recomputed_tokens += lost
             if num_tokens == 1:
-                token_ids: SequenceOf[int] = [seq.token_ids[start]]
-            elif self.chunk_contents:
+                token_ids: SequenceOf[int] = [tokens[start]]
+            elif chunk_contents:
                 # A list slice is the chunk's own copy already (tuple() of it copied a
                 # prefill chunk's 8K ids twice).
-                token_ids = seq.token_ids[start:end]
+                token_ids = tokens[start:end]
             else:
-                token_ids = TokenSpan(seq.token_ids, start, end)
-            table = kv.block_table(seq.seq_id) if self.chunk_contents else ()
-            chunks.append(ScheduledChunk(seq.seq_id, token_ids, start, table, end == seq_len, is_decode))
-            group = piece.group
+                token_ids = TokenSpan(tokens, start, end)
+            table = kv.block_table(seq.seq_id) if chunk_contents else ()
+            # One chunk per running sequence per step: built without ScheduledChunk.__new__.
+            chunks.append(
+                _new_tuple(ScheduledChunk, (seq.seq_id, token_ids, start, table, end == seq_len, is_decode))
+            )
             if len(group.seqs) == 1:
                 # One sequence: it holds exactly the slots up to this chunk's end.
                 if end > group.peak_kv_slots:
@@ -1048,19 +1102,18 @@ class Scheduler:
         targets = []
         commits: list[tuple[int, SequenceOf[int]]] = []  # together, in chunk order
         interval = self.kv.commit_interval
-        for piece in self._last_pieces:
-            seq = piece.seq
-            seq.num_computed_tokens = computed = piece.start + piece.num_tokens
+        for group, seq, start, num_tokens in self._last_pieces:
+            seq.num_computed_tokens = computed = start + num_tokens
             tokens = seq.token_ids
             # A one-token piece commits only where it can register something (as
             # complete_decodes); a longer chunk may complete a block anywhere.
-            if piece.num_tokens > 1 or computed % interval == 0:
+            if num_tokens > 1 or computed % interval == 0:
                 # A prefilling sequence commits its computed prefix: a view, not an O(prompt) copy.
                 commits.append(
                     (seq.seq_id, tokens if computed == len(tokens) else TokenPrefix(tokens, computed))
                 )
             if computed == len(tokens):
-                targets.append((piece.group, seq))
+                targets.append((group, seq))
         if commits:
             self.kv.commit_many(commits)
         self._last_pieces = []

@@ -126,6 +126,8 @@ class SequenceGroup:
         "num_samples",
         "request_id",
         "is_beam",
+        "max_new_tokens",
+        "stops_at_eos",
     )
 
     def __init__(self, request: Request, arrival_index: int, first_seq_id: int, eos_token_id: int) -> None:
@@ -133,6 +135,8 @@ class SequenceGroup:
         # Read once per sequence per step: plain attributes of the (immutable) request's.
         self.request_id = request.request_id
         self.is_beam = request.beam_width > 1
+        self.max_new_tokens = request.max_new_tokens
+        self.stops_at_eos = not request.ignore_eos
         self.num_samples = num_samples(request)  # sequences it runs at most at once
         self.eos_token_id = eos_token_id
         self.arrival_index = arrival_index
@@ -166,13 +170,11 @@ class SequenceGroup:
 
     def is_finished_token(self, seq: Sequence) -> bool:
         """Whether ``seq`` has produced its last token (length limit, or EOS unless ignored)."""
-        if seq.num_output_tokens >= self.request.max_new_tokens:
+        tokens = seq.token_ids
+        num_output_tokens = len(tokens) - seq.num_prompt_tokens  # Sequence.num_output_tokens, read once
+        if num_output_tokens >= self.max_new_tokens:
             return True
-        return (
-            not self.request.ignore_eos
-            and seq.num_output_tokens > 0
-            and seq.token_ids[-1] == self.eos_token_id
-        )
+        return self.stops_at_eos and num_output_tokens > 0 and tokens[-1] == self.eos_token_id
 
     def to_finished(self) -> FinishedRequest:
         """The request's record once every sequence is done; beams best first."""

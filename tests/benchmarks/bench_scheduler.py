@@ -19,12 +19,16 @@ divisor is the number of decode chunks the scheduler actually emitted (each step
 checked to decode one token for every one of the R sequences), not R x steps assumed;
 the time is CPU time (``time.process_time``), and the prefix caches are interleaved in
 rounds (tests/benchmarks/rounds.py), so ``block_hash_over_none`` compares same-round times.
+After every round (and the warm-up) the scheduler and its KV manager run their integrity
+checks (``Scheduler.check``, ``PagedKVManager.check``: O(blocks) each) through
+``run_rounds``'s ``verify``, off the clock.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 from rounds import run_rounds
@@ -41,6 +45,20 @@ BLOCK_SIZE = 16
 PREFIX_CACHES = ("none", "block_hash", "radix")
 # Room for every round's steps without finishing a request or running out of blocks.
 MAX_TOKENS = 4 * DECODE_STEPS
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """What one round's work did: the decode chunks it counted and the scheduler it ran."""
+
+    num_seq_steps: int
+    scheduler: Scheduler
+
+
+def _verify(name: str, outcome: DecodeOutcome) -> None:
+    """``run_rounds``'s verify: the round left scheduler and KV manager consistent."""
+    outcome.scheduler.kv.check()
+    outcome.scheduler.check()
 
 
 def _one_step(scheduler: Scheduler) -> int:
@@ -72,19 +90,19 @@ def _decoding_scheduler(num_seqs: int, prefix_cache: str, chunk_contents: bool) 
     return scheduler
 
 
-def _decode_steps(num_seqs: int, prefix_cache: str, chunk_contents: bool) -> Callable[[], Callable[[], int]]:
-    def prepare() -> Callable[[], int]:
+def _decode_steps(
+    num_seqs: int, prefix_cache: str, chunk_contents: bool
+) -> Callable[[], Callable[[], DecodeOutcome]]:
+    def prepare() -> Callable[[], DecodeOutcome]:
         scheduler = _decoding_scheduler(num_seqs, prefix_cache, chunk_contents)
 
-        def work() -> int:
+        def work() -> DecodeOutcome:
             num_seq_steps = 0
             for _ in range(DECODE_STEPS):
                 decoded = _one_step(scheduler)
                 assert decoded == num_seqs, f"a step decoded {decoded} of {num_seqs} sequences"
                 num_seq_steps += decoded
-            scheduler.kv.check()
-            scheduler.check()
-            return num_seq_steps
+            return DecodeOutcome(num_seq_steps, scheduler)
 
         return work
 
@@ -95,12 +113,12 @@ def _decode_steps(num_seqs: int, prefix_cache: str, chunk_contents: bool) -> Cal
 @pytest.mark.parametrize("num_seqs", [16, 64, 256])
 def test_scheduler_cpu_per_running_sequence_step(benchmark, num_seqs, mode):
     variants = {pc: _decode_steps(num_seqs, pc, chunk_contents=mode == "real") for pc in PREFIX_CACHES}
-    result = benchmark.pedantic(lambda: run_rounds(variants), rounds=1, iterations=1)
+    result = benchmark.pedantic(lambda: run_rounds(variants, verify=_verify), rounds=1, iterations=1)
     benchmark.extra_info.update(result.info())
     benchmark.extra_info.update(num_seqs=num_seqs, mode=mode, decode_steps=DECODE_STEPS)
     lines = []
     for pc in PREFIX_CACHES:
-        num_seq_steps = result.outcomes[pc]
+        num_seq_steps = result.outcomes[pc].num_seq_steps
         assert num_seq_steps == num_seqs * DECODE_STEPS
         us = result.spread(pc, 1e6 / num_seq_steps)
         benchmark.extra_info.update(us.as_info(f"{pc}_us_per_seq_step"))

@@ -15,6 +15,11 @@ a ratio of medians. The 1-minute load average before and after and the machine-s
 probe (``kvbench.probe.probe_facts``) go with every result, so a figure can be read
 against how fast and how busy the machine was.
 
+A benchmark that checks what its work did (integrity checks, counts) passes ``verify``:
+it is called with the variant's name and ``work``'s return value right after each call
+(the warm-up's and every round's), after the clock has stopped, so checks cost nothing
+on any figure; an exception it raises ends the run.
+
 ``KVBENCH_BENCH_ROUNDS`` raises the number of rounds (default and minimum 5).
 """
 
@@ -149,6 +154,7 @@ def run_rounds(
     num_rounds: int | None = None,
     clock: Callable[[], float] = time.process_time,
     warmup: bool = True,
+    verify: Callable[[str, Any], None] | None = None,
 ) -> Rounds:
     """Time every variant once per round in rotated order (see module doc).
 
@@ -159,6 +165,7 @@ def run_rounds(
     too long to repeat. A garbage collection runs before each timed call so that one
     variant's garbage is not collected on another's clock. Raises ValueError when a
     variant's time is not positive (a clock too coarse for the work, or a broken clock).
+    ``verify(name, outcome)``, when given, checks each call's outcome outside the clock.
     """
     rounds = num_rounds_from_env() if num_rounds is None else num_rounds
     if rounds < 1:
@@ -170,7 +177,9 @@ def run_rounds(
     load_before = os.getloadavg()[0]
     if warmup:
         for name in names:
-            variants[name]()()
+            outcome = variants[name]()()
+            if verify is not None:
+                verify(name, outcome)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     outcomes: dict[str, Any] = {}
     for r in range(rounds):
@@ -189,6 +198,8 @@ def run_rounds(
                     f"{name}: round {r} took {elapsed} s on {clock.__name__}; the work is too short"
                 )
             seconds[name].append(elapsed)
+            if verify is not None:
+                verify(name, outcomes[name])
     return Rounds(
         num_rounds=rounds,
         clock=clock.__name__,
