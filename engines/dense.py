@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvbench.engines.exec.sampler import SampleKey, Sampler
@@ -240,8 +241,7 @@ class DenseEngine:
         admitted = []
         while self.waiting and len(self.free_slots) >= self.waiting[0].n:
             request = self.waiting.popleft()
-            prompt = request.prompt_token_ids
-            prompt = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)  # numpy prompts too
+            prompt = np.asarray(request.prompt_token_ids).tolist()  # tuples, arrays, computed ids
             samples = [_Sample(slot=self.free_slots.pop(), tokens=list(prompt)) for _ in range(request.n)]
             running = _Running(request, samples)
             self.running.append(running)

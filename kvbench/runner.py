@@ -368,8 +368,9 @@ def replay(
                     max(request.n, request.beam_width),
                     dict(request.tags),
                 )
-                # A prompt computed when read (a trace's) exists only while its request is in flight.
-                engine.add_request(request.with_prompt_in_memory())
+                # A prompt computed when read (a trace's) stays so: the engine computes its
+                # ids when it needs them (Request.prompt_token_ids).
+                engine.add_request(request)
             if not engine.has_unfinished():
                 stall_steps = 0  # nothing queued: an idle engine is not stalled
                 clock.wait_until(pending[0].arrival_s)

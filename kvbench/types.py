@@ -50,9 +50,12 @@ class Request:
     replay holds 145M prompt tokens: ~5 GB as Python ints, 0.6 GB as int32), a read-only
     1-D numpy integer array, or ``ComputedTokenIds`` (ids computed when read). Consumers
     index, slice and take ``len`` of it; those that need Python ints call ``.tolist()`` on
-    a slice (or ``list(...)``). Engines never see ``ComputedTokenIds``: the runner hands
-    them ``with_prompt_in_memory()``, so a trace's prompts exist only while their requests
-    are in flight. ``==`` compares prompts by their token ids whichever form they take.
+    a slice (or ``list(...)``). An engine reads ``ComputedTokenIds`` ids when it needs
+    them (``np.asarray``, ``with_prompt_in_memory()``) and holds them only while it holds
+    the request, later than queueing where it can (the scheduler's ``ArrayTokenIds``
+    computes them when the request is first matched or scheduled), so a trace's prompts
+    exist only while their requests are in flight. ``==`` compares prompts by their token
+    ids whichever form they take.
     Requests are not hashable.
     """
 

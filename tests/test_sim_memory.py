@@ -31,8 +31,9 @@ from kvbench.types import (
     Request,
     StepOutput,
     StepStats,
+    Workload,
 )
-from kvbench.workloads.replay import ReplayOptions
+from kvbench.workloads.replay import HashBlockPrompt, ReplayOptions
 from kvbench.workloads.replay import replay as replay_trace
 from kvbench.workloads.tokens import keyed_block_bases, keyed_block_ids_into, keyed_ids_from_bases
 from kvbench.workloads.traces import load_trace, parse_trace
@@ -161,17 +162,22 @@ class RecordingEngine(PagedEngine):
         return output
 
 
-def run_mooncake_head(monkeypatch: pytest.MonkeyPatch, chunk_steps: int) -> tuple[Any, RecordingEngine]:
-    monkeypatch.setattr(runner, "STEPS_CHUNK", chunk_steps)
-    spec = ModelSpec()  # tiny-gqa
-    ctx = EngineContext(spec, HardwareSpec(step_overhead_s=5e-3), None, "cpu", "fp32", 0, "sim")
-    workload = load_trace(
+def mooncake_head_workload() -> Workload:
+    """60 requests of the Mooncake head fixture, scaled for the tiny model."""
+    return load_trace(
         str(MOONCAKE_HEAD),
-        vocab_size=spec.vocab_size,
+        vocab_size=ModelSpec().vocab_size,
         length_scale=1 / 64,
         output_scale=1 / 4,
         max_requests=60,
     )
+
+
+def run_mooncake_head(monkeypatch: pytest.MonkeyPatch, chunk_steps: int) -> tuple[Any, RecordingEngine]:
+    monkeypatch.setattr(runner, "STEPS_CHUNK", chunk_steps)
+    spec = ModelSpec()  # tiny-gqa
+    ctx = EngineContext(spec, HardwareSpec(step_overhead_s=5e-3), None, "cpu", "fp32", 0, "sim")
+    workload = mooncake_head_workload()
     engine = RecordingEngine(
         ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), num_blocks=400, max_num_seqs=16
     )
@@ -206,22 +212,48 @@ def test_a_sim_run_records_its_steps_across_chunks_as_the_plain_definition(
 
 
 # --------------------------------------------------------------------------- trace prompts
-def test_engines_get_trace_prompts_as_read_only_int32_arrays(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engines_compute_trace_prompts_only_when_they_need_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine gets each trace prompt as ComputedTokenIds and computes its ids when it
+    first matches or schedules the request (once), so a queue holds none; the run equals
+    the same run with every prompt held from the start."""
+    computed: list[int] = []
+    ids = HashBlockPrompt.ids
+
+    def counting_ids(prompt: HashBlockPrompt) -> np.ndarray:
+        computed.append(len(prompt))
+        return ids(prompt)
+
+    monkeypatch.setattr(HashBlockPrompt, "ids", counting_ids)
     raw, engine = run_mooncake_head(monkeypatch, chunk_steps=4096)
-    workload_prompts = {
-        r.request_id: r.prompt_token_ids
-        for r in load_trace(
-            str(MOONCAKE_HEAD), vocab_size=ModelSpec().vocab_size, length_scale=1 / 64, output_scale=1 / 4,
-            max_requests=60,
-        ).requests
-    }  # fmt: skip
-    assert len(engine.added) == len(workload_prompts) == len(raw.requests)
+    assert len(engine.added) == 60 and all(
+        isinstance(r.prompt_token_ids, ComputedTokenIds) for r in engine.added
+    )
+    assert len(computed) == 60  # each prompt's ids once, for the whole run
+    # A fresh engine given every request at once computes ids for what it schedules and
+    # the queue's head (matched while it waits), not for the queue.
+    computed.clear()
+    spec = ModelSpec()
+    ctx = EngineContext(spec, HardwareSpec(step_overhead_s=5e-3), None, "cpu", "fp32", 0, "sim")
+    fresh = PagedEngine(
+        ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), num_blocks=400, max_num_seqs=4
+    )
     for request in engine.added:
-        prompt = request.prompt_token_ids
-        assert isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and not prompt.flags.writeable
-        computed = workload_prompts[request.request_id]
-        assert isinstance(computed, ComputedTokenIds) and not isinstance(computed, np.ndarray)
-        assert np.array_equal(prompt, np.asarray(computed)) and len(prompt) == len(computed)
+        fresh.add_request(request)
+    assert computed == []
+    fresh.step()
+    assert 1 <= len(computed) <= 4 + 1
+    # The run with every prompt in memory from the start: the same requests and steps.
+    monkeypatch.setattr(HashBlockPrompt, "ids", ids)
+    held = dataclasses.replace(
+        mooncake_head_workload(),
+        requests=[r.with_prompt_in_memory() for r in mooncake_head_workload().requests],
+    )
+    engine_held = RecordingEngine(
+        ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), num_blocks=400, max_num_seqs=16
+    )
+    raw_held = replay(engine_held, held, SimClock())
+    pd.testing.assert_frame_equal(raw.requests, raw_held.requests, check_exact=True)
+    pd.testing.assert_frame_equal(raw.steps, raw_held.steps, check_exact=True)
 
 
 def test_computed_prompts_read_like_their_ids_and_compare_equal_across_forms() -> None:

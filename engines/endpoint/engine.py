@@ -386,6 +386,7 @@ class EndpointEngine:
         )
 
     def _client_request(self, request: Request) -> ClientRequest:
+        request = request.with_prompt_in_memory()  # the payload lists every id
         return ClientRequest(
             request.request_id,
             API_PATHS[self._api],

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvbench.hashing import block_multipliers, chain_start, chained_block_keys_into
+from kvbench.types import ComputedTokenIds
 
 # A full block's key: two 64-bit lanes of a chained sum (``kvbench.hashing``'s block keys,
 # shared with the prefix-reuse bound). Lane 0 keys the hash table; lane 1 is compared on a
@@ -216,19 +217,33 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
     of equal ids, ``copy`` (also ``copy.copy``/``deepcopy``); list arithmetic (``+``,
     ``*``) and ordering are not offered. ``append``/``extend`` are the tail list's own
     (C) methods.
+
+    The prompt may also be ``ComputedTokenIds`` (a trace prompt computed when read): its
+    ids are then computed on the first read of ``array`` and held from then on, so a
+    request waiting in the queue holds no ids until it is matched or scheduled (the full
+    Mooncake replay queues thousands of requests of 12K tokens each).
     """
 
-    __slots__ = ("array", "tail", "_num_array", "append", "extend", "key_chain")
+    __slots__ = ("_array", "tail", "_num_array", "append", "extend", "key_chain")
 
-    def __init__(self, array: np.ndarray, tail: Iterable[int] = ()) -> None:
-        if array.ndim != 1 or array.dtype.kind not in "iu":
+    def __init__(self, array: np.ndarray | ComputedTokenIds, tail: Iterable[int] = ()) -> None:
+        if isinstance(array, np.ndarray) and (array.ndim != 1 or array.dtype.kind not in "iu"):
             raise ValueError(f"ArrayTokenIds: a 1-D integer array is needed, got {array.dtype} {array.shape}")
-        self.array = array
+        self._array = array
         self._num_array = len(array)
         self.tail: list[int] = list(tail)
         self.append = self.tail.append
         self.extend = self.tail.extend
         self.key_chain: BlockKeyChain | None = None
+
+    @property
+    def array(self) -> np.ndarray:
+        """The prompt's ids: a read-only 1-D integer array (computed now on the first read
+        of a ``ComputedTokenIds`` prompt, then held)."""
+        array = self._array
+        if not isinstance(array, np.ndarray):
+            array = self._array = array.ids()
+        return array
 
     def __len__(self) -> int:
         return self._num_array + len(self.tail)
@@ -264,7 +279,7 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
     __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
 
     def copy(self) -> ArrayTokenIds:
-        other = ArrayTokenIds(self.array, self.tail)
+        other = ArrayTokenIds(self._array, self.tail)
         if self.key_chain is not None:
             other.key_chain = self.key_chain.copy()
         return other

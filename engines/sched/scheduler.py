@@ -557,32 +557,26 @@ class Scheduler:
 
     def complete_decodes_many(
         self, pairs: list[tuple[SequenceGroup, Sequence]], token_rows: list[list[int]]
-    ) -> list[list[tuple[Sequence, int]]]:
+    ) -> list[list[tuple[int, SequenceOf[int]]]]:
         """``complete_decodes`` for consecutive steps taken together: ``token_rows[i]`` holds
         the tokens sampled for ``pairs[i]``, one per step. Appends them and sets the
-        computed counts now; returns, per step, the commits it makes (sequence, tokens
-        written; in pair order), for ``commit_decodes`` right after that step's slots are
-        reserved (``DecodeRun.advance_many(after_step=...)``), so that the prefix index
-        sees each step's drops before its registrations, as step by step. Mutates the
-        sequences."""
+        computed counts now; returns, per step, the commits it makes (``commit_many``
+        entries: sequence id, the tokens written then; in pair order), for
+        ``DecodeRun.advance_many`` to make right after that step's slots are reserved, so
+        that the prefix index sees each step's drops before its registrations, as step by
+        step. Mutates the sequences."""
         interval = self.kv.commit_interval
-        steps: list[list[tuple[Sequence, int]]] = [[] for _ in range(len(token_rows[0]) if token_rows else 0)]
+        steps: list[list[tuple[int, SequenceOf[int]]]] = [
+            [] for _ in range(len(token_rows[0]) if token_rows else 0)
+        ]
         for (_, seq), row in zip(pairs, token_rows):
             tokens = seq.token_ids
             first = len(tokens)
-            for step in range(-first % interval, len(row), interval):
-                steps[step].append((seq, first + step))
             tokens.extend(row)
+            for step in range(-first % interval, len(row), interval):
+                steps[step].append((seq.seq_id, TokenPrefix(tokens, first + step)))
             seq.num_computed_tokens = len(tokens) - 1
         return steps
-
-    def commit_decodes(self, commits: list[tuple[Sequence, int]]) -> None:
-        """Register each sequence's first ``num_tokens`` tokens with the prefix index (one
-        step's entry of ``complete_decodes_many``). Mutates the prefix index."""
-        if commits:
-            self.kv.commit_many(
-                [(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens)) for seq, num_tokens in commits]
-            )
 
     def finish_decodes(
         self, pairs: list[tuple[SequenceGroup, Sequence]], candidates: SequenceOf[int]

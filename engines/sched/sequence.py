@@ -23,7 +23,7 @@ from collections.abc import MutableSequence
 import numpy as np
 
 from kvbench.engines.kv.token_ids import ArrayTokenIds, KeyCarrier, KeyedTokenIds
-from kvbench.types import FinishedRequest, Request
+from kvbench.types import ComputedTokenIds, FinishedRequest, Request
 
 
 class GroupStatus(enum.Enum):
@@ -143,10 +143,14 @@ class SequenceGroup:
         # Append-only token ids that remember their prefix-cache block keys (computed once).
         # A numpy prompt (large traces) stays the request's array (ArrayTokenIds): nothing
         # reads its ids one by one in simulation, and Python int lists of waiting prompts
-        # would hold several times the memory.
+        # would hold several times the memory. A prompt computed when read stays so until
+        # the group is matched or scheduled: a queue of thousands holds no ids.
         prompt = request.prompt_token_ids
         integer_array = isinstance(prompt, np.ndarray) and prompt.dtype.kind in "iu"
-        tokens = ArrayTokenIds(prompt) if integer_array else KeyedTokenIds(prompt)
+        if integer_array or isinstance(prompt, ComputedTokenIds):
+            tokens: ArrayTokenIds | KeyedTokenIds = ArrayTokenIds(prompt)
+        else:
+            tokens = KeyedTokenIds(prompt)
         self.seqs: list[Sequence] = [Sequence(first_seq_id, 0, tokens, len(prompt))]
         self.status = GroupStatus.WAITING
         self.has_forked = False

@@ -8,7 +8,7 @@ run does goes through declared calls:
 - the scheduler's decode-run interface (``Scheduler.decode_batch``, ``append_decodes``,
   ``admit_after_decodes`` / ``complete_step`` (a run's first step that admits),
   ``quiet_decode_steps``, ``complete_decodes`` / ``complete_decodes_many`` /
-  ``commit_decodes``, ``finish_decodes``),
+  ``finish_decodes``),
 - the KV manager's ``DecodeRunKV`` contract (``engines/kv/protocol.py``) and its
   ``DecodeRun`` (``engines/kv/paged.py``),
 - the cost model's ``decode_run_s`` and ``CostModelExecutor.record_steps``,
@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from kvbench.engines.kv.protocol import DecodeRunKV
-from kvbench.engines.kv.token_ids import TokenPrefix
 from kvbench.engines.sched.scheduler import Scheduler, SchedulerOutput
 from kvbench.engines.sched.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim.executor import CostModelExecutor
@@ -258,13 +257,7 @@ class FastForward:
                         num += 1
                     token_block = tokens[:, index : index + num]  # [seq, step]
                     step_commits = scheduler.complete_decodes_many(pairs, token_block.tolist())
-                    reserved = run.advance_many(
-                        num,
-                        [
-                            [(seq.seq_id, TokenPrefix(seq.token_ids, num_tokens)) for seq, num_tokens in step]
-                            for step in step_commits
-                        ],
-                    )
+                    reserved = run.advance_many(num, step_commits)
                     log.add_many(token_block, durations[index : index + num], reserved)
                     quiet -= num
                     index += num
