@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from live_server import require_vllm
 from run_fixtures import run_kvbench
@@ -99,7 +100,14 @@ def test_twin_under_pressure_has_a_complete_table_and_close_prefix_hits(tmp_path
     assert rows["prefix_query_tokens"]["live"] == rows["prefix_query_tokens"]["twin"] == 32 * 160
     assert rows["num_preemptions"]["live"] > 0 and rows["num_preemptions"]["twin"] > 0
     assert abs(rows["prefix_hit_tokens"]["rel_error"]) <= PRESSURE_HIT_TOLERANCE
-    assert 0 < rows["kv_usage_peak"]["twin"] <= 1 and 0 < rows["kv_usage_peak"]["live"] <= 1
+    # The live server is busy at its own scrapes, so its sampled peak is positive. The twin
+    # is sampled at those same times, and its modeled run can fall between two of them when
+    # load slows the live run and spaces its scrapes (a CI run: scrapes at 0.04 s and 0.68 s,
+    # every twin step between): then its sampled usage is 0, so it is only bounded here and
+    # its every-step peak must be positive.
+    assert 0 < rows["kv_usage_peak"]["live"] <= 1 and 0 <= rows["kv_usage_peak"]["twin"] <= 1, rows
+    twin_steps = pd.read_parquet(tmp_path / "twin" / "sim" / "steps.parquet")
+    assert 0 < (twin_steps["kv_allocated_bytes"] / twin_steps["kv_capacity_bytes"]).max() <= 1
     # Calibrating on a live run either fits reconstructed steps or says why it cannot.
     live_dir = tmp_path / "results" / "live" / "live"
     fitted = run_kvbench("calibrate", str(live_dir), "--out", str(tmp_path / "hw.yaml"), cwd=tmp_path)
