@@ -1,7 +1,7 @@
 """``commit_many``: one step's commits together, against committing one entry at a time.
 
 The block-hash index keys and registers a step's decode commits in one compiled call
-(``native.register_next``); everything it leaves behind must equal what separate
+(``native.allocate_steps_registering``); everything it leaves behind must equal what separate
 ``commit`` calls leave, including which of two equal keys wins, chains keyed from the
 salt, a sequence committed twice in one step and hash-table rebuilds mid-batch.
 """

@@ -337,61 +337,6 @@ def _enter(keys, vals, used, st, block_hash, block_check, h, check, b):  # pragm
 
 
 @njit(cache=True, nogil=True)
-def register_next(
-    keys, vals, used, st, counts, block_hash, block_check, multipliers, tokens, lanes, positions, block_ids
-):  # pragma: no cover - compiled
-    """Key and register the next full block of several sequences, entry by entry in order
-    (one step's decode commits). Entry ``e``: the block's ids are ``tokens[e * bs : (e + 1)
-    * bs]``, it is block ``positions[e]`` of its sequence, ``lanes[e]`` (uint64 [2]) is its
-    predecessor's key (or the chain start) and ``block_ids[e]`` its block. Each entry is
-    keyed as ``kvbench.hashing.chained_block_keys_into`` keys it and registered as a
-    ``register_run`` call of its own would register it, so a later entry sees an earlier
-    one's registration; ``lanes[e]`` is overwritten with the block's key. Returns how many
-    blocks were registered."""
-    k = 0
-    for e in range(block_ids.shape[0]):
-        k += _key_and_register(
-            keys,
-            vals,
-            used,
-            st,
-            counts,
-            block_hash,
-            block_check,
-            multipliers,
-            tokens,
-            e,
-            lanes,
-            e,
-            positions[e],
-            block_ids[e],
-        )
-    return k
-
-
-@njit(cache=True, nogil=True)
-def _key_and_register(
-    keys, vals, used, st, counts, block_hash, block_check, multipliers, tokens, e, lanes, row, position, b
-):  # pragma: no cover - compiled
-    """Key block ``b`` (ids ``tokens[e * bs : (e + 1) * bs]``, block ``position`` of its
-    sequence) chained from ``lanes[row]``, which becomes its key, and register it as a
-    ``register_run`` call of its own would (flagged cached at once, the table rebuilt
-    when half full). Returns 1 when it was registered, else 0."""
-    term_a, term_b = block_key_terms(tokens, e * multipliers.shape[0], multipliers, position)
-    h = lanes[row, 0] + term_a
-    check = lanes[row, 1] + term_b
-    lanes[row, 0] = h
-    lanes[row, 1] = check
-    done = 0
-    if _enter(keys, vals, used, st, block_hash, block_check, h, check, b):
-        _set_cached(st, counts, b)
-        done = 1
-    if 2 * used[0] > keys.shape[0]:
-        rebuild(keys, vals, used, st, block_hash)
-    return done
-
-
-@njit(cache=True, nogil=True)
 def allocate_steps_registering(
     st,
     counts,
@@ -409,12 +354,15 @@ def allocate_steps_registering(
     positions,
     block_ids,
 ):  # pragma: no cover - compiled
-    """``allocate_steps`` with ``register_next``'s registrations after each step: after
-    step ``t``'s blocks are taken, entries ``e`` with ``entry_steps[e] == t`` (ascending)
-    are keyed and registered in order. Entry ``e`` keys the block ``block_ids[e]`` at
-    ``positions[e]`` from ``tokens[e * bs : (e + 1) * bs]``, chained from row
-    ``entry_rows[e]`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated
-    as its entries are keyed, so a sequence's entries chain in order). Returns
+    """``allocate_steps`` with registrations after each step: after step ``t``'s blocks
+    are taken, entries ``e`` with ``entry_steps[e] == t`` (ascending) are keyed and
+    registered in order (``commit_many`` is one step with no blocks taken). Entry ``e``
+    keys block ``block_ids[e]``, block ``positions[e]`` of its sequence, from ``tokens[e
+    * bs : (e + 1) * bs]`` as ``kvbench.hashing.chained_block_keys_into`` keys it,
+    chained from row ``entry_rows[e]`` of ``lanes`` (uint64 [rows, 2]: each sequence's
+    last key, updated as its entries are keyed, so a sequence's entries chain in order),
+    and registers it as a ``register_run`` call of its own would: flagged cached at once
+    (a later entry sees it), the table rebuilt when half full. Returns
     ``allocate_steps``' three arrays, the entries' keys uint64 [entries, 2] and how many
     blocks were registered."""
     num_entries = entry_steps.shape[0]
@@ -431,24 +379,19 @@ def allocate_steps_registering(
         k += n
         while e < num_entries and entry_steps[e] == t:
             row = entry_rows[e]
-            registered += _key_and_register(
-                keys,
-                vals,
-                used,
-                st,
-                counts,
-                block_hash,
-                block_check,
-                multipliers,
-                tokens,
-                e,
-                lanes,
-                row,
-                positions[e],
-                block_ids[e],
-            )
-            entry_keys[e, 0] = lanes[row, 0]
-            entry_keys[e, 1] = lanes[row, 1]
+            term_a, term_b = block_key_terms(tokens, e * multipliers.shape[0], multipliers, positions[e])
+            h = lanes[row, 0] + term_a
+            check = lanes[row, 1] + term_b
+            lanes[row, 0] = h
+            lanes[row, 1] = check
+            entry_keys[e, 0] = h
+            entry_keys[e, 1] = check
+            b = block_ids[e]
+            if _enter(keys, vals, used, st, block_hash, block_check, h, check, b):
+                _set_cached(st, counts, b)
+                registered += 1
+            if 2 * used[0] > keys.shape[0]:
+                rebuild(keys, vals, used, st, block_hash)
             e += 1
     return out, reused[:k], reused_per_step, entry_keys, registered
 

@@ -249,6 +249,52 @@ class _SeqHashState:
         self.chain = chain
 
 
+class _StepRegistrations:
+    """Decode-block registrations gathered for ``native.allocate_steps_registering``: per
+    entry its step, its sequence's row, its block's position and id (``places``, flat
+    pairs) and ids (``tokens``, ``block_size`` each); per row (sequence, in first-seen
+    order) its state, chain, last key (``lanes``, flat pairs) and entries so far."""
+
+    __slots__ = ("rows", "states", "num_entries", "lanes", "entry_steps", "entry_rows", "places", "tokens")
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}  # seq id -> row
+        self.states: list[tuple[_SeqHashState, BlockKeyChain]] = []
+        self.num_entries: list[int] = []
+        self.lanes: list[int] = []
+        self.entry_steps: list[int] = []
+        self.entry_rows: list[int] = []
+        self.places: list[int] = []
+        self.tokens: list[int] = []
+
+    def add(
+        self,
+        step: int,
+        seq_id: int,
+        state: _SeqHashState,
+        chain: BlockKeyChain,
+        position: int,
+        block: int,
+        token_ids: Sequence[int],
+    ) -> None:
+        """One entry: block ``block`` at ``position`` of ``seq_id``, ids ``token_ids``,
+        registered after step ``step``."""
+        row = self.rows.get(seq_id)
+        if row is None:
+            row = self.rows[seq_id] = len(self.states)
+            self.states.append((state, chain))
+            self.num_entries.append(0)
+            self.lanes += chain.last_key
+        self.num_entries[row] += 1
+        self.entry_steps.append(step)
+        self.entry_rows.append(row)
+        self.places += (position, block)
+        self.tokens += token_ids
+
+
+_NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
+
+
 class BlockHashPrefixIndex:
     """vLLM-style prefix cache: full blocks keyed by a chained hash of their tokens.
 
@@ -465,15 +511,12 @@ class BlockHashPrefixIndex:
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
         """See ``PrefixIndex.commit_many``. An entry that completes exactly the next block
         of a sequence whose chain is keyed up to its registrations (a decode commit) joins
-        a batch keyed and registered in one compiled call (``native.register_next``);
-        any other entry is a plain ``commit``, after the batch so far (registration order
-        decides which of two equal keys wins)."""
+        a batch keyed and registered in one compiled call (``_register_in_steps`` with no
+        blocks to take); any other entry is a plain ``commit``, after the batch so far
+        (registration order decides which of two equal keys wins)."""
         bs = self._block_size
         seqs = self._seqs
-        batch: dict[int, tuple[_SeqHashState, BlockKeyChain]] = {}  # by seq: one entry each
-        tokens: list[int] = []  # the batch's blocks' ids, bs per entry
-        lanes: list[int] = []  # per entry: its predecessor's key, both lanes
-        places: list[int] = []  # per entry: the block's position in its sequence, its block
+        batch = _StepRegistrations()
         for seq_id, token_ids, block_ids, extra_key in entries:
             state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
             first = state.num_blocks
@@ -486,27 +529,26 @@ class BlockHashPrefixIndex:
                 and chain is not None
                 and chain.num_blocks == first
                 and len(block_ids) > first
-                and seq_id not in batch
+                and seq_id not in batch.rows  # a second entry would key from a stale state
             ):
-                batch[seq_id] = (state, chain)
-                tokens += token_ids[first * bs : num_full * bs]
-                lanes += chain.last_key
-                places += (first, block_ids[first])
+                batch.add(
+                    0, seq_id, state, chain, first, block_ids[first], token_ids[first * bs : num_full * bs]
+                )
                 continue
-            if batch:
-                self._register_next(batch, tokens, lanes, places)
-                batch, tokens, lanes, places = {}, [], [], []
+            if batch.rows:
+                self._register_in_steps(_NO_NEEDS, batch)
+                batch = _StepRegistrations()
             self.commit(seq_id, token_ids, block_ids, extra_key)
-        if batch:
-            self._register_next(batch, tokens, lanes, places)
+        if batch.rows:
+            self._register_in_steps(_NO_NEEDS, batch)
 
     def allocate_decode_steps(
         self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """See ``PrefixIndex.allocate_decode_steps``: one compiled pass
-        (``native.allocate_steps_registering``) when every entry completes exactly the next
-        block of its sequence (counting its earlier entries in the call), whose chain is
-        keyed up to its registrations, from a block already in its table; else None."""
+        (``_register_in_steps``) when every entry completes exactly the next block of its
+        sequence (counting its earlier entries in the call), whose chain is keyed up to its
+        registrations, from a block already in its table; else None."""
         if pool is not self._pool:
             raise ValueError(
                 "BlockHashPrefixIndex.allocate_decode_steps: not the pool this index is bound to"
@@ -517,34 +559,39 @@ class BlockHashPrefixIndex:
             )
         bs = self._block_size
         seqs = self._seqs
-        tracked: dict[int, list[Any]] = {}  # seq -> [state, chain, row, entries so far]
-        lanes: list[int] = []  # per row (sequence): its last key, both lanes
-        entry_steps: list[int] = []
-        entry_rows: list[int] = []
-        places: list[int] = []  # per entry: position, block
-        tokens: list[int] = []
+        steps = _StepRegistrations()
         for step, entries in enumerate(commits):
             for seq_id, token_ids, block_ids, _ in entries:
-                seen = tracked.get(seq_id)
-                if seen is None:
+                row = steps.rows.get(seq_id)
+                if row is None:
                     state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
                     chain = state.chain
                     if chain is None or chain.num_blocks != state.num_blocks:
                         return None
-                    seen = tracked[seq_id] = [state, chain, len(tracked), 0]
-                    lanes += chain.last_key
-                first = seen[0].num_blocks + seen[3]
+                    first = state.num_blocks
+                else:
+                    state, chain = steps.states[row]
+                    first = state.num_blocks + steps.num_entries[row]
                 num_full = len(token_ids) // bs
                 if num_full <= first:
                     continue  # no new full block
                 if num_full != first + 1 or first >= len(block_ids):
                     return None
-                seen[3] += 1
-                entry_steps.append(step)
-                entry_rows.append(seen[2])
-                places += (first, block_ids[first])
-                tokens += token_ids[first * bs : num_full * bs]
-        where = np.array(places, dtype=np.int64).reshape(-1, 2)  # [entries, 2]: position, block
+                steps.add(
+                    step, seq_id, state, chain, first, block_ids[first], token_ids[first * bs : num_full * bs]
+                )
+        return self._register_in_steps(needs, steps)
+
+    def _register_in_steps(
+        self, needs: np.ndarray, steps: _StepRegistrations
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Take ``needs[t]`` blocks per step ``t`` (int64 [steps]) and key and register
+        ``steps``' entries after their steps, in one compiled pass
+        (``native.allocate_steps_registering``); the chains gain the keys, the states
+        count the blocks and the pool's reuse listener hears of the cached blocks taken.
+        Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index and chains."""
+        pool = self._bound_pool()
+        where = np.array(steps.places, dtype=np.int64).reshape(-1, 2)  # [entries, 2]: position, block
         taken, reused, reused_per_step, keys, registered = native.allocate_steps_registering(
             pool.state,
             pool.counts,
@@ -554,53 +601,22 @@ class BlockHashPrefixIndex:
             self._used,
             self._block_hash,
             self._block_check,
-            block_multipliers(bs),
-            np.array(entry_steps, dtype=np.int64),
-            np.array(tokens, dtype=np.int64),
-            np.array(lanes, dtype=np.uint64).reshape(-1, 2),
-            np.array(entry_rows, dtype=np.int64),
+            block_multipliers(self._block_size),
+            np.array(steps.entry_steps, dtype=np.int64),
+            np.array(steps.tokens, dtype=np.int64),
+            np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2),
+            np.array(steps.entry_rows, dtype=np.int64),
             where[:, 0],
             where[:, 1],
         )
         self._num_registered += registered
-        rows = list(tracked.values())
-        for row, (lane_0, lane_1) in zip(entry_rows, keys.tolist()):
-            state, chain, _, _ = rows[row]
+        states = steps.states
+        for row, (lane_0, lane_1) in zip(steps.entry_rows, keys.tolist()):
+            state, chain = states[row]
             chain.append_key(lane_0, lane_1)
             state.num_blocks += 1
         pool.tell_reused(reused)  # the drops, as the pool's allocations would have told
         return taken, reused_per_step
-
-    def _register_next(
-        self,
-        batch: dict[int, tuple[_SeqHashState, BlockKeyChain]],
-        tokens: list[int],
-        lanes: list[int],
-        places: list[int],
-    ) -> None:
-        """Key and register each batch entry's next block (``commit_many``'s lists); the
-        chains gain the keys and the states count the blocks. Mutates the index, chains and
-        pool flags."""
-        pool = self._bound_pool()
-        keys = np.array(lanes, dtype=np.uint64).reshape(-1, 2)  # [entries, 2]: predecessor keys, then new
-        where = np.array(places, dtype=np.int64).reshape(-1, 2)  # [entries, 2]: position, block
-        self._num_registered += native.register_next(
-            self._keys,
-            self._vals,
-            self._used,
-            pool.state,
-            pool.counts,
-            self._block_hash,
-            self._block_check,
-            block_multipliers(self._block_size),
-            np.array(tokens, dtype=np.int64),
-            keys,
-            where[:, 0],
-            where[:, 1],
-        )
-        for (state, chain), (lane_0, lane_1) in zip(batch.values(), keys.tolist()):
-            chain.append_key(lane_0, lane_1)
-            state.num_blocks += 1
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:

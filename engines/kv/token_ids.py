@@ -119,7 +119,7 @@ class BlockKeyChain:
 
     def append_key(self, lane_0: int, lane_1: int) -> None:
         """Add the next block's key (both lanes), computed elsewhere from the same
-        definition (``engines/kv/native.register_next``). Mutates the chain."""
+        definition (``native.allocate_steps_registering``). Mutates the chain."""
         n = self.num_blocks
         if n == self._hashes.shape[0]:
             self._reserve(n + 1)
