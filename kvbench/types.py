@@ -233,7 +233,8 @@ class CoveredSteps:
     Step ``i`` took ``durations_s[i]`` (modeled). Its stats are ``template`` with each
     field named in ``columns`` replaced by ``columns[path][i]``; a dotted path names a
     field of a nested record (``kv.token_bytes``). Its tokens: one per batch sequence,
-    ``token_ids[j][i]`` for sample ``sample_indexes[j]`` of ``request_ids[j]``.
+    ``token_ids[j, i]`` for sample ``sample_indexes[j]`` of ``request_ids[j]`` (int64
+    [batch sequence, step]; the record keeps a read-only copy of what it is given).
     Column-wise because one StepStats and one TokenEvent per token cost more than
     simulating the step (a recorded trace covers hundreds of thousands of steps).
     """
@@ -243,7 +244,7 @@ class CoveredSteps:
     columns: Mapping[str, Sequence[Any]]
     request_ids: tuple[str, ...]
     sample_indexes: tuple[int, ...]
-    token_ids: tuple[tuple[int, ...], ...]  # [batch sequence][step]
+    token_ids: np.ndarray  # int64 [batch sequence, step]
 
     def __post_init__(self) -> None:
         num_steps = len(self.durations_s)
@@ -254,8 +255,20 @@ class CoveredSteps:
                 raise ValueError(
                     f"CoveredSteps: column {path!r} has {len(values)} values for {num_steps} steps"
                 )
-        if any(len(row) != num_steps for row in self.token_ids):
-            raise ValueError(f"CoveredSteps: every token row needs {num_steps} tokens")
+        shape = (len(self.request_ids), num_steps)
+        try:
+            tokens = np.array(self.token_ids, dtype=np.int64)  # a copy: the record's own
+        except ValueError:  # ragged rows
+            tokens = None
+        if tokens is not None and tokens.size == 0:
+            tokens = tokens.reshape(0, num_steps)  # no row at all
+        if tokens is None or tokens.shape != shape or len(self.sample_indexes) != shape[0]:
+            raise ValueError(
+                f"CoveredSteps: every token row needs {num_steps} tokens, one row (and one sample "
+                f"index) per request id ({shape[0]})"
+            )
+        tokens.flags.writeable = False
+        object.__setattr__(self, "token_ids", tokens)
 
     def __len__(self) -> int:
         return len(self.durations_s)
@@ -276,10 +289,11 @@ class CoveredSteps:
 
     def tokens(self) -> list[TokenEvent]:
         """Every token as a TokenEvent, step by step (``step_offset`` = step index)."""
+        rows = self.token_ids.tolist()
         return [
             TokenEvent(request_id, sample, row[step], step)
             for step in range(len(self))
-            for request_id, sample, row in zip(self.request_ids, self.sample_indexes, self.token_ids)
+            for request_id, sample, row in zip(self.request_ids, self.sample_indexes, rows)
         ]
 
 

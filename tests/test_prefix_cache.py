@@ -328,26 +328,38 @@ _stream = st.lists(st.integers(3, 4), min_size=1, max_size=24)
 
 @settings(max_examples=80, deadline=None)
 @given(
-    ops=st.lists(st.tuples(st.booleans(), _stream, st.integers(0, 7)), max_size=40),
-    num_blocks=st.integers(2, 6),
+    ops=st.lists(st.tuples(st.integers(0, 2), _stream, st.integers(0, 7)), max_size=40),
+    num_blocks=st.integers(2, 8),
 )
 def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
-    """Probes keep their match memo (on their KeyedTokenIds) across evictions, revivals
-    and new registrations; each match always equals a fresh walk over the same tokens."""
+    """Probes keep their match memo (on their KeyedTokenIds) across evictions, revivals,
+    new registrations and decode commits (``commit_many``, registered in one compiled
+    pass); each match always equals a fresh walk over the same tokens, and asking again
+    with nothing changed returns the memoised answer itself."""
     m = PagedKVManager(num_blocks, BS, 1, BlockHashPrefixIndex())
     index = m.prefix_index
     probes: list[KeyedTokenIds] = []
-    live: list[int] = []
-    for seq_id, (start, tokens, which) in enumerate(ops):
-        if start:
+    live: dict[int, KeyedTokenIds] = {}
+    for seq_id, (kind, tokens, which) in enumerate(ops):
+        if kind == 0:  # a new sequence (also a probe)
             keyed = KeyedTokenIds(tokens)
             probes.append(keyed)
             if m.can_allocate(seq_id, keyed, len(tokens), None):
                 m.allocate(seq_id, keyed, len(tokens) - m.num_cached_tokens(keyed, None), None)
                 m.commit(seq_id, keyed)
-                live.append(seq_id)
-        elif live:
-            m.free(live.pop(which % len(live)))
+                live[seq_id] = keyed
+        elif kind == 1 and live:  # a sequence ends
+            ended = list(live)[which % len(live)]
+            m.free(ended)
+            del live[ended]
+        elif kind == 2 and live:  # decode steps: one token each, committed together
+            chosen = list(live)[which % len(live)]
+            for token in tokens[:6]:
+                if not m.can_append(chosen, 1):
+                    break
+                m.append(chosen, 1)
+                live[chosen].append(token)
+                m.commit_many([(chosen, live[chosen])])
         for probe in probes:
             memo, fresh = index.match(probe, None), index.match(tuple(probe), None)
             assert (memo.num_tokens, memo.block_ids, memo.num_blocks_taken) == (
@@ -355,6 +367,38 @@ def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
                 fresh.block_ids,
                 fresh.num_blocks_taken,
             )
+            assert index.match(probe, None) is memo  # nothing changed: the memo's answer
+    m.check()
+
+
+def test_memoised_answer_follows_a_decode_registration_and_a_silent_reuse():
+    """The memo's answer is returned as is only while nothing it read changed: a decode
+    commit registering the block a waiting probe needs next (``commit_many``'s compiled
+    batch), and a decode step reusing a cached block the probe matched (no registration,
+    no reference change: only the pool's reuse listener hears of it) both change it."""
+    m = PagedKVManager(4, BS, 1, BlockHashPrefixIndex())
+    index = m.prefix_index
+    writer = KeyedTokenIds([3, 3, 3, 3, 3])
+    m.allocate(0, writer, 5, None)
+    m.commit(0, writer)  # block 0: [3, 3, 3, 3]
+    probe = KeyedTokenIds([3] * 8 + [4])
+    assert index.match(probe, None).num_tokens == 4
+    for _ in range(3):  # decode [3, 3, 3]: the writer's second block fills with 3s
+        m.append(0, 1)
+        writer.append(3)
+    m.commit_many([(0, writer)])
+    assert index.match(probe, None).num_tokens == 8 == index.match(tuple(probe), None).num_tokens
+    # Both blocks go cached-free; the probe's memo holds them.
+    m.free(0)
+    assert index.match(probe, None).block_ids == (0, 1)
+    other = KeyedTokenIds([5, 5, 5, 5])
+    m.allocate(1, other, 4, None)  # block 2 (never cached): nothing the probe read changed
+    assert index.match(probe, None).block_ids == (0, 1)
+    m.append(1, 1)  # block 3, then (a fresh block needed) ...
+    m.append(1, 4)  # ... block 1 (freed first: tables free tail first): cached, reused
+    # and dropped, with no registration and no reference change.
+    memo, fresh = index.match(probe, None), index.match(tuple(probe), None)
+    assert (memo.num_tokens, memo.block_ids) == (fresh.num_tokens, fresh.block_ids) == (4, (0,))
     m.check()
 
 

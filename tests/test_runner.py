@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -204,6 +205,17 @@ def test_covered_steps_check_their_shape() -> None:
         CoveredSteps((1.0, 1.0), stats, {"kv.token_bytes": [3]}, ("r",), (0,), ((5, 6),))
     with pytest.raises(ValueError, match="every token row"):
         CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), ((5,),))
+    with pytest.raises(ValueError, match="every token row"):
+        CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), ((5, 6), (7,)))  # ragged
+    with pytest.raises(ValueError, match="one row"):
+        CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), ((5, 6), (7, 8)))  # a row too many
+    with pytest.raises(ValueError, match="one row"):
+        CoveredSteps((1.0,), stats, {}, ("r", "s"), (0, 0), ((5, 6),))  # 2 tokens, not 2 rows of 1
+    tokens = np.array([[5, 6]])
+    covered = CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), tokens)
+    tokens[0, 0] = 9  # the record holds its own read-only copy
+    assert not covered.token_ids.flags.writeable
+    assert [event.token_id for event in covered.tokens()] == [5, 6]
 
 
 # --------------------------------------------------------------------------- stall watchdog

@@ -302,19 +302,15 @@ class PagedKVManager(SeqTable):
     def try_decode_run(self, seq_ids: Sequence[int]) -> DecodeRun | None:
         """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False: one pass
         over the sequences for both (the fast path asks once per run). Mutates nothing."""
-        get = self._seqs.get
-        seqs: list[_Seq] = []
-        nums: list[int] = []  # slots per sequence now
-        tails: list[int] = []  # last block per sequence (-1: none yet)
-        for seq_id in seq_ids:
-            seq = get(seq_id)
-            if seq is None or seq.host_blocks is not None:
-                return None
-            seqs.append(seq)
-            nums.append(seq.num_tokens)
-            tails.append(seq.block_ids[-1] if seq.block_ids else -1)
-        num_slots = np.array(nums, dtype=np.int64)
-        last_blocks = np.array(tails, dtype=np.int64)
+        # One comprehension per column (the batch is read once per decode run).
+        seqs: list[_Seq] = list(map(self._seqs.get, seq_ids))
+        if None in seqs:
+            return None
+        if any([seq.host_blocks is not None for seq in seqs]):
+            return None  # swapped out
+        num_slots = np.array([seq.num_tokens for seq in seqs], dtype=np.int64)
+        # The last block per sequence (-1: none yet).
+        last_blocks = np.array([seq.block_ids[-1] if seq.block_ids else -1 for seq in seqs], dtype=np.int64)
         if not native.decodes_in_place(
             self.pool.state, self._claimed, num_slots, last_blocks, self.block_size
         ):

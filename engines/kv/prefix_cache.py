@@ -333,6 +333,9 @@ class BlockHashPrefixIndex:
         self._num_drops = 0
         self._drop_log: list[int] = []
         self._drop_log_start = 0
+        # Bumped by every registration call and every drop: while unchanged (and the pool's
+        # ref_version too), a chain's memoised match is still the answer (match).
+        self._version = 0
 
     # ------------------------------------------------------------------ protocol
     def bind(self, pool: BlockPool, block_size: int) -> None:
@@ -366,6 +369,13 @@ class BlockHashPrefixIndex:
         bs = self._block_size
         num_full = max(len(token_ids) - 1, 0) // bs
         chain = self._chain(token_ids, extra_key)
+        if (
+            chain.match_owner is self
+            and chain.match_version == self._version
+            and chain.match_ref_version == pool.ref_version
+            and chain.match_num_full == num_full
+        ):
+            return chain.match_result  # type: ignore[return-value]  # nothing it read changed
         blocks: tuple[int, ...] = ()
         array = _NO_BLOCKS  # blocks as int64 [len(blocks)], for the compiled counts
         num_taken: int | None = 0
@@ -421,10 +431,15 @@ class BlockHashPrefixIndex:
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
         chain.match_num_drops = self._num_drops
+        chain.match_version = self._version
+        chain.match_num_full = num_full
         if not blocks:
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
-            return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
-        return PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
+            result = PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
+        else:
+            result = PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
+        chain.match_result = result
+        return result
 
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
@@ -492,6 +507,7 @@ class BlockHashPrefixIndex:
         chain.extend(token_ids, num_full)
         first = state.num_blocks
         new_blocks = np.array(block_ids[first:num_full], dtype=np.int64)
+        self._version += 1
         self._num_registered += native.register_run(
             self._keys,
             self._vals,
@@ -591,6 +607,7 @@ class BlockHashPrefixIndex:
         count the blocks and the pool's reuse listener hears of the cached blocks taken.
         Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index and chains."""
         pool = self._bound_pool()
+        self._version += 1
         where = np.array(steps.places, dtype=np.int64).reshape(-1, 2)  # [entries, 2]: position, block
         taken, reused, reused_per_step, keys, registered = native.allocate_steps_registering(
             pool.state,
@@ -671,6 +688,7 @@ class BlockHashPrefixIndex:
         self._num_registered -= len(block_ids)
         self._num_evicted_blocks += len(block_ids)
         self._num_drops += len(block_ids)
+        self._version += 1
         log = self._drop_log
         if len(log) > _DROP_LOG_LENGTH:
             self._drop_log_start += len(log)

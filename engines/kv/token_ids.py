@@ -60,6 +60,9 @@ class BlockKeyChain:
         "match_num_taken",
         "match_ref_version",
         "match_num_drops",
+        "match_version",
+        "match_num_full",
+        "match_result",
     )
 
     def __init__(self, block_size: int, extra_key: str | None) -> None:
@@ -84,6 +87,12 @@ class BlockKeyChain:
         self.match_num_taken = 0  # unreferenced blocks among match_blocks then
         self.match_ref_version = -1  # the pool's ref_version then
         self.match_num_drops = 0  # the index's cumulative dropped registrations then
+        # The memo's last answer, returned as is while the index's version (bumped by every
+        # registration and drop), the pool's ref_version and the full-block count asked
+        # for are unchanged: admission asks up to three times per step for the same head.
+        self.match_version = -1
+        self.match_num_full = -1
+        self.match_result: object | None = None
 
     @property
     def hashes(self) -> np.ndarray:
@@ -195,7 +204,7 @@ class KeyedTokenIds(KeyCarrier, list):  # type: ignore[type-arg]  # a list[int]
         # Python ints throughout, as the list stands for one: readers (outputs, results,
         # comparisons) get ints, never numpy scalars. An array converts in one C call.
         super().__init__(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
-        if not all(type(t) is int for t in self):
+        if not set(map(type, self)) <= {int}:  # one C pass (bool and numpy ints convert)
             self[:] = [int(t) for t in self]
         self.key_chain: BlockKeyChain | None = None
 

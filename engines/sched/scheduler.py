@@ -443,22 +443,26 @@ class Scheduler:
         """
         if self._pending_rejections or self.swapped or not self.running or self._prepared is not None:
             return None
-        pairs: list[tuple[SequenceGroup, Sequence]] = []
-        for group in self.running:
-            if group.is_beam or (group.num_samples > 1 and not group.has_forked):
-                return None
-            for seq in group.seqs:
-                # Decode state: only the newest token lacks KV, it is an output token (not
-                # the prompt's last), and computing it is no recomputation.
-                computed = seq.num_computed_tokens
-                if (
-                    len(seq.token_ids) - computed != 1
-                    or computed < seq.num_prompt_tokens
-                    or computed < seq.num_lost_tokens
-                ):
-                    return None
-                pairs.append((group, seq))
+        running = self.running
+        # The sequence budget equals the group count only when every group runs one sample
+        # (no beam, no parallel samples): then no group needs checking.
+        if self._num_running_seqs != len(running) and any(
+            [group.is_beam or (group.num_samples > 1 and not group.has_forked) for group in running]
+        ):
+            return None
+        pairs = [(group, seq) for group in running for seq in group.seqs]
         if len(pairs) > self.config.max_num_batched_tokens:
+            return None
+        # Decode state: only the newest token lacks KV, it is an output token (not the
+        # prompt's last), and computing it is no recomputation.
+        if any(
+            [
+                len(seq.token_ids) - seq.num_computed_tokens != 1
+                or seq.num_computed_tokens < seq.num_prompt_tokens
+                or seq.num_computed_tokens < seq.num_lost_tokens
+                for _, seq in pairs
+            ]
+        ):
             return None
         return pairs
 

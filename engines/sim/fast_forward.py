@@ -138,7 +138,7 @@ class RunLog:
             columns=columns,
             request_ids=tuple(self.request_ids),
             sample_indexes=tuple(self.samples),
-            token_ids=tuple(map(tuple, np.concatenate(self.token_blocks, axis=1).tolist())),
+            token_ids=np.concatenate(self.token_blocks, axis=1),
         )
 
 
@@ -197,27 +197,27 @@ class FastForward:
         # Steps up to the first finish by length: the step producing a sequence's last
         # token (step ``max_new_tokens - num_output_tokens``, counting from 1) ends the run.
         # One comprehension per column: the batch is rebuilt for every run.
-        requests = [group.request for group, _ in pairs]
+        groups = [group for group, _ in pairs]
         lengths = np.array([len(seq.token_ids) for seq in seqs], dtype=np.int64)
         positions = lengths - np.array(
             [seq.num_prompt_tokens for seq in seqs], dtype=np.int64
         )  # outputs so far
         # Steps until each sequence's length limit (its last token in step ``to_limit``).
-        to_limit = np.array([r.max_new_tokens for r in requests], dtype=np.int64) - positions
+        to_limit = np.array([group.max_new_tokens for group in groups], dtype=np.int64) - positions
         finish_step = min(MAX_DECODE_RUN_STEPS + 1, int(to_limit.min()))
-        base = tokens_of.base
-        seq_bases = [base(request.request_id) for request in requests]
+        request_ids = [group.request_id for group in groups]
+        seq_bases = tokens_of.bases(request_ids)
         samples = [seq.sample_index for seq in seqs]
         max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
         context = int(lengths.sum())
         num_seqs = len(pairs)
         vocab, eos = tokens_of.vocab_size, self.eos_token_id
-        check_eos = np.array([not request.ignore_eos for request in requests])
+        check_eos = np.array([group.stops_at_eos for group in groups])
         eos_rows = check_eos if check_eos.any() else None
         commit_phases = scheduler.decode_commit_phases(lengths)
         log = RunLog(
-            [request.request_id for request in requests],
+            request_ids,
             samples,
             context,
             (len(scheduler.waiting), len(scheduler.swapped)),
@@ -376,7 +376,7 @@ class FastForward:
             columns={},
             request_ids=tuple([group.request_id for group, _ in pairs]),
             sample_indexes=tuple(samples),
-            token_ids=tuple(zip(tokens)),
+            token_ids=step_tokens[:, None],
         )
         self.executor.record_steps(covered.durations_s)
         return StepOutput(

@@ -85,6 +85,15 @@ class StandInTokens:
             base = self._bases[request_id] = stable_seed(self.seed, request_id)
         return base
 
+    def bases(self, request_ids: SequenceOf[str]) -> list[int]:
+        """``base`` of each request, in order (one pass; keys computed on first use).
+        Mutates the key memo."""
+        get = self._bases.get
+        found = [get(request_id) for request_id in request_ids]
+        if None in found:
+            found = [self.base(request_id) for request_id in request_ids]
+        return found
+
     def forget(self, request_id: str) -> None:
         """Drop a finished request's key (no-op when it has none)."""
         self._bases.pop(request_id, None)
