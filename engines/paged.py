@@ -266,7 +266,7 @@ class PagedEngine:
         # finished sequences (and frees their blocks), or a request's last step would
         # never show its KV and peaks would read low.
         usage = self.kv.usage()
-        num_running = sum(len(group.seqs) for group in self.scheduler.running)
+        num_running = self.scheduler.num_running_seqs()
         events = self._advance(targets, result)
         finished = self.scheduler.pop_finished()
         if self._is_cuda:
@@ -322,7 +322,7 @@ class PagedEngine:
             counters1 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
         queries1, hits1, evicted1 = counters1
         if num_running is None:
-            num_running = sum(len(group.seqs) for group in scheduler.running)
+            num_running = scheduler.num_running_seqs()
         num_waiting, num_swapped = (
             queues if queues is not None else (len(scheduler.waiting), len(scheduler.swapped))
         )

@@ -34,6 +34,7 @@ so the same code drives a real executor or a cost model.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Callable, Container
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ VICTIM_POLICIES: dict[str, Callable[[], Any]] = {
     "newest": NewestVictimPolicy,
     "priority": PriorityVictimPolicy,
 }
+
+_SEQS_OF = operator.attrgetter("seqs")  # a group's sequences, read in C
 
 
 # --------------------------------------------------------------------------- records
@@ -1200,6 +1203,10 @@ class Scheduler:
             group.seqs = []
             self._retire(group)
         return group.seqs
+
+    def num_running_seqs(self) -> int:
+        """Sequences of the running groups now (a step's ``num_running``). Pure."""
+        return sum(map(len, map(_SEQS_OF, self.running)))
 
     def pop_finished(self) -> list[FinishedRequest]:
         """Requests completed since the last call (clears the list)."""

@@ -147,8 +147,8 @@ class SequenceGroup:
         # the group is matched or scheduled: a queue of thousands holds no ids.
         prompt = request.prompt_token_ids
         integer_array = isinstance(prompt, np.ndarray) and prompt.dtype.kind in "iu"
-        # A list is never computed when read: the (slow) protocol check is for the rest.
-        if integer_array or (not isinstance(prompt, list) and isinstance(prompt, ComputedTokenIds)):
+        # A list or tuple is never computed when read: the (slow) protocol check is for the rest.
+        if integer_array or (not isinstance(prompt, (list, tuple)) and isinstance(prompt, ComputedTokenIds)):
             tokens: ArrayTokenIds | KeyedTokenIds = ArrayTokenIds(prompt)
         else:
             tokens = KeyedTokenIds(prompt)

@@ -355,7 +355,7 @@ class FastForward:
         scheduler.complete_decodes([seq for _, seq in pairs], tokens, commit_phases, 0)
         targets = scheduler.complete_step()
         usage = kv.usage()
-        num_running = sum(len(group.seqs) for group in scheduler.running)
+        num_running = scheduler.num_running_seqs()
         scheduler.finish_decodes(pairs, candidates)
         events = self.tokens.advance(scheduler, targets) if targets else []
         finished = scheduler.pop_finished()
