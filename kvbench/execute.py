@@ -492,7 +492,13 @@ def measure_quality(
     """
     import torch
 
-    from kvbench.quality import FullCacheBackend, QualityConfig, evaluate_quality, load_quality_text
+    from kvbench.quality import (
+        FullCacheBackend,
+        QualityBackendEngine,
+        QualityConfig,
+        evaluate_quality,
+        load_quality_text,
+    )
 
     options = {k: v for k, v in OmegaConf.to_container(cfg.quality).items() if k != "enabled"}
     options["passkey_depths"] = tuple(options["passkey_depths"]) if tokenizer is not None else ()
@@ -504,7 +510,8 @@ def measure_quality(
     else:
         generator = torch.Generator().manual_seed(cfg.seed)
         token_ids = torch.randint(3, spec.vocab_size, (limit,), generator=generator).tolist()
-    factory = getattr(engine, "sequence_backend_factory", None)
-    backend_factory = factory() if callable(factory) else FullCacheBackend
+    backend_factory = (
+        engine.sequence_backend_factory() if isinstance(engine, QualityBackendEngine) else FullCacheBackend
+    )
     report = evaluate_quality(model, backend_factory, token_ids, tokenizer, config, name=engine.name)
     return {k: v for k, v in report.to_dict().items() if k != "quality_backend"}

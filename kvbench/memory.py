@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
 
@@ -50,6 +50,15 @@ class Probe(Protocol):
     def reasons(self) -> dict[str, str]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PeakProbe(Probe, Protocol):
+    """A Probe that also keeps peaks between reads (the allocator's high-water marks):
+    ``peaks()`` maps run-summary names to values, read once when sampling stops. Must
+    not raise."""
+
+    def peaks(self) -> dict[str, float]: ...
 
 
 class _ProbeBase:
@@ -291,9 +300,8 @@ class MemorySampler:
         self._thread = None
         self._sample()
         for probe in self._probes or ():
-            peaks = getattr(probe, "peaks", None)
-            if callable(peaks):
-                self._peaks.update(peaks())
+            if isinstance(probe, PeakProbe):
+                self._peaks.update(probe.peaks())
             probe.close()
         if self._thread_error is not None:
             raise RuntimeError("MemorySampler: sampling thread failed") from self._thread_error

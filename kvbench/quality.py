@@ -130,6 +130,15 @@ class FullCacheBackend:
         return self._num_written * self._bytes_per_token
 
 
+@runtime_checkable
+class QualityBackendEngine(Protocol):
+    """An engine whose KV policy the quality harness can run directly:
+    ``sequence_backend_factory()`` returns ``(model, max_len) -> SequenceBackend`` with the
+    engine's policy (engines without one are scored on ``FullCacheBackend``). Pure."""
+
+    def sequence_backend_factory(self) -> Callable[[Any, int], SequenceBackend]: ...
+
+
 class TextCodec(Protocol):
     """What the passkey test needs from a tokenizer (``kvbench.tokenizer.Tokenizer`` fits)."""
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from kvbench.types import CoveredSteps, Engine, StepOutput, Workload
+from kvbench.types import ArrivalAwareEngine, CoveredSteps, Engine, StepOutput, Workload
 
 # A step that schedules nothing, emits nothing and retires nothing is "stuck"; this many
 # in a row means the engine cannot make progress and the run fails instead of hanging.
@@ -354,9 +354,9 @@ def replay(
     bar = _Progress(len(pending), progress, workload.name)
     num_done = num_tokens = idle_steps = stall_steps = 0
     limit = workload.max_concurrency
-    # Optional engine hook: a simulated engine may cover several steps per call, never
-    # past the next submission (see kvbench.types.Engine).
-    announce = getattr(engine, "set_next_arrival_s", None)
+    # A simulated engine may cover several steps per call, never past the next
+    # submission (kvbench.types.ArrivalAwareEngine).
+    announce = engine.set_next_arrival_s if isinstance(engine, ArrivalAwareEngine) else None
     try:
         while pending or engine.has_unfinished():
             now = clock.now()

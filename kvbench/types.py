@@ -372,12 +372,8 @@ class Engine(Protocol):
     ``step`` runs one scheduler iteration and returns what happened; on CUDA it
     synchronises before returning so the runner's clock reads finished work.
 
-    Optional hook (the runner calls it before every step when the engine defines it):
-    ``set_next_arrival_s(now_s, next_arrival_s)`` gives the simulated time now and when
-    the next request will be submitted (``math.inf`` when none is due). A simulated
-    engine may then cover several iterations in one ``step`` (``StepOutput.covered_steps``)
-    as long as each covered iteration starts before ``next_arrival_s``, so the result is
-    the same as stepping one iteration at a time.
+    An engine that also implements ``ArrivalAwareEngine`` hears before every step when
+    the next request will be submitted.
     """
 
     name: str
@@ -400,6 +396,21 @@ class Engine(Protocol):
     def describe(self) -> dict[str, Any]:
         """Static facts for the run record: kv bytes per token, pool bytes, block size."""
         ...
+
+
+@runtime_checkable
+class ArrivalAwareEngine(Protocol):
+    """An Engine that wants to know, before every step, when the next request comes.
+
+    The runner calls ``set_next_arrival_s(now_s, next_arrival_s)`` before each ``step``:
+    the time now and when the next request will be submitted (``math.inf`` when none is
+    due), both on the run's clock in seconds. A simulated engine may then cover several
+    iterations in one ``step`` (``StepOutput.covered_steps``) as long as each covered
+    iteration starts before ``next_arrival_s``, so the result is the same as stepping one
+    iteration at a time. Mutates only what the engine keeps for its next ``step``.
+    """
+
+    def set_next_arrival_s(self, now_s: float, next_arrival_s: float) -> None: ...
 
 
 @runtime_checkable

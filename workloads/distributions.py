@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from kvbench.workloads.trace_io import check_utf8, open_text
 # --------------------------------------------------------------------------- lengths
 
 
+@runtime_checkable
 class LengthDist(Protocol):
     """A distribution of token counts. ``draw`` returns raw values (maybe non-integer,
     maybe out of range); ``sample_lengths`` rounds and clips them."""
@@ -176,6 +177,7 @@ def sample_lengths(dist: LengthDist, rng: np.random.Generator, num: int) -> tupl
 # --------------------------------------------------------------------------- arrivals
 
 
+@runtime_checkable
 class ArrivalProcess(Protocol):
     """Arrival times in seconds from the start, non-decreasing, the first at 0."""
 
@@ -296,7 +298,7 @@ def length_dist(spec: LengthDist | Mapping[str, Any] | int, field: str) -> Lengt
     if isinstance(spec, int):
         return _build(FixedLength, {"value": spec}, field)
     if not isinstance(spec, Mapping):
-        if hasattr(spec, "draw"):
+        if isinstance(spec, LengthDist):
             return spec
         raise WorkloadConfigError(f"{field}: expected an int or a mapping with 'kind', got {spec!r}")
     params = dict(spec)
@@ -323,7 +325,7 @@ def arrival_process(
     if isinstance(spec, str):
         spec = {"kind": spec}
     if not isinstance(spec, Mapping):
-        if hasattr(spec, "times"):
+        if isinstance(spec, ArrivalProcess):
             return spec
         raise WorkloadConfigError(f"{field}: expected a mapping with 'kind', got {spec!r}")
     params = dict(spec)
