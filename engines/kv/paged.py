@@ -237,8 +237,9 @@ class PagedKVManager(SeqTable):
             )
         self.prefix_index.acquire(seq_id, match)
         # References first: revives cached-free blocks before any allocation can evict them.
-        self.pool.incref_many(match.block_ids)
-        self._add_seq_refs(match.block_ids)
+        matched = np.array(match.block_ids, dtype=np.int64)  # converted once, for both
+        self.pool.incref_many(matched)
+        self._add_seq_refs(matched)
         seq = _Seq(list(match.block_ids), match.num_tokens, extra_key)
         self._seqs[seq_id] = seq
         ops = self._grow(seq, num_new_tokens)
@@ -680,10 +681,10 @@ class PagedKVManager(SeqTable):
             self._num_token_slots += self._claimed_at[b]
         self._seq_refs_at[b] = r + 1
 
-    def _add_seq_refs(self, block_ids: Sequence[int]) -> None:
+    def _add_seq_refs(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """``_add_seq_ref`` for each block (a prefix hit attaches hundreds)."""
         num_new, slots = native.add_seq_refs(
-            self._seq_refs, self._claimed, np.array(block_ids, dtype=np.int64)
+            self._seq_refs, self._claimed, np.asarray(block_ids, dtype=np.int64)
         )
         self._num_blocks_in_use += int(num_new)
         self._num_token_slots += int(slots)
