@@ -479,6 +479,10 @@ def replay(
     )
 
 
+# Sample-0 tokens _CoveredTokens expands per numpy pass (bounds its index arrays).
+_COUNT_TOKENS_AT_ONCE = 1 << 20
+
+
 class _CoveredTokens:
     """The tokens of multi-step outputs, counted into the request logs at the end of the
     replay for all runs at once (numpy over every covered token), instead of a Python
@@ -525,23 +529,38 @@ class _CoveredTokens:
         np.add.at(generated, codes, pair_steps)
         first_token_s = np.full(len(order), np.inf)
         np.minimum.at(first_token_s, codes, ends[first_end[pair_run]])
-        # Sample 0's token times: each pair's run's step ends, grouped by request (a
-        # stable sort keeps each request's runs, hence its times, in replay order).
+        # Sample 0's token times: each pair's run's step ends, grouped by request. The
+        # pairs are sorted (stably, keeping each request's runs in replay order, hence its
+        # times in time order), then expanded to one entry per token.
         zero = samples == 0
-        zero_codes, zero_runs, zero_steps = codes[zero], pair_run[zero], pair_steps[zero]
-        within = np.arange(int(zero_steps.sum())) - np.repeat(np.cumsum(zero_steps) - zero_steps, zero_steps)
-        times = ends[np.repeat(first_end[zero_runs], zero_steps) + within]
-        time_codes = np.repeat(zero_codes, zero_steps)
-        by_request = np.argsort(time_codes, kind="stable")
-        times = times[by_request].tolist()
-        bounds = np.searchsorted(time_codes[by_request], np.arange(len(order) + 1)).tolist()
+        by_request = np.argsort(codes[zero], kind="stable")
+        zero_codes = codes[zero][by_request]
+        zero_runs = pair_run[zero][by_request]
+        zero_steps = pair_steps[zero][by_request]
+        token_start = np.cumsum(zero_steps) - zero_steps  # each pair's first token in `times`
+        times = np.empty(int(zero_steps.sum()), dtype=np.float64)  # grouped by request
+        shift = first_end[zero_runs] - token_start  # a token's place in `ends`, less its own
+        # Expanded a few million tokens at a time: the index arrays of a whole long trace
+        # at once would add a quarter of its peak memory.
+        cuts = np.searchsorted(token_start, np.arange(0, len(times), _COUNT_TOKENS_AT_ONCE))
+        for first, last in zip(cuts.tolist(), [*cuts[1:].tolist(), len(zero_steps)]):
+            if first == last:
+                continue
+            start = int(token_start[first])
+            stop = int(token_start[last - 1] + zero_steps[last - 1])
+            positions = np.repeat(shift[first:last], zero_steps[first:last])
+            positions += np.arange(start, stop)
+            times[start:stop] = ends[positions]
+        per_request = np.zeros(len(order), dtype=np.int64)
+        np.add.at(per_request, zero_codes, zero_steps)
+        bounds = np.concatenate([[0], np.cumsum(per_request)]).tolist()
         for code in np.flatnonzero(generated).tolist():
             log = logs[order[code]]
             log.num_generated_tokens += int(generated[code])
             first = float(first_token_s[code])
             if not first >= log.first_token_s:  # NaN (none yet) or later
                 log.first_token_s = first
-            covered_times = times[bounds[code] : bounds[code + 1]]
+            covered_times = times[bounds[code] : bounds[code + 1]].tolist()
             if covered_times:
                 # Both lists are in time order: the merge is a sort of two runs.
                 log.token_times_s = (

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvbench.runner as runner_module
 from kvbench.engines.kv.paged import DecodeRun
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sim.executor import CostModelExecutor
@@ -81,6 +82,27 @@ def assert_identical(
     covered = 1 - fast_engine.num_calls / fast.num_steps
     assert covered >= min_covered_share, f"only {covered:.0%} of steps were fast-forwarded"
     return covered
+
+
+def test_covered_tokens_counted_a_few_at_a_time_read_the_same(monkeypatch):
+    """The runner counts the covered steps' tokens into the request records at the end,
+    expanding a bounded number at a time (runner._COUNT_TOKENS_AT_ONCE): with 5 per pass
+    (requests' tokens split across passes) the records equal stepping one at a time."""
+    monkeypatch.setattr(runner_module, "_COUNT_TOKENS_AT_ONCE", 5)
+    workload = chat(
+        num_conversations=4,
+        num_turns=2,
+        system_prompt_len=32,
+        user_len={"kind": "uniform", "low": 10, "high": 40},
+        output_len={"kind": "uniform", "low": 20, "high": 90},
+        arrival={"kind": "poisson", "rate_per_s": 8.0},
+        turn_interval_s=0.3,
+        vocab_size=SPEC.vocab_size,
+        seed=11,
+    )
+    assert_identical(
+        workload, min_covered_share=0.5, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128
+    )
 
 
 def test_chat_with_shared_prefixes_and_poisson_arrivals():

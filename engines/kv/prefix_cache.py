@@ -375,7 +375,9 @@ class BlockHashPrefixIndex:
             and chain.match_ref_version == pool.ref_version
             and chain.match_num_full == num_full
         ):
-            return chain.match_result  # type: ignore[return-value]  # nothing it read changed
+            # Nothing it read changed: the memo's answer (as built at the end).
+            blocks = chain.match_blocks
+            return PrefixMatch(len(blocks) * bs, blocks, chain.match_num_taken, handle=chain)
         blocks: tuple[int, ...] = ()
         array = _NO_BLOCKS  # blocks as int64 [len(blocks)], for the compiled counts
         num_taken: int | None = 0
@@ -435,11 +437,8 @@ class BlockHashPrefixIndex:
         chain.match_num_full = num_full
         if not blocks:
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
-            result = PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
-        else:
-            result = PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
-        chain.match_result = result
-        return result
+            return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
+        return PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
 
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]

@@ -62,7 +62,6 @@ class BlockKeyChain:
         "match_num_drops",
         "match_version",
         "match_num_full",
-        "match_result",
     )
 
     def __init__(self, block_size: int, extra_key: str | None) -> None:
@@ -87,12 +86,13 @@ class BlockKeyChain:
         self.match_num_taken = 0  # unreferenced blocks among match_blocks then
         self.match_ref_version = -1  # the pool's ref_version then
         self.match_num_drops = 0  # the index's cumulative dropped registrations then
-        # The memo's last answer, returned as is while the index's version (bumped by every
+        # The memo is the answer as it stands while the index's version (bumped by every
         # registration and drop), the pool's ref_version and the full-block count asked
         # for are unchanged: admission asks up to three times per step for the same head.
+        # (The chain keeps no PrefixMatch: its handle is the chain, and the cycle would
+        # outlive the sequence until a garbage collection.)
         self.match_version = -1
         self.match_num_full = -1
-        self.match_result: object | None = None
 
     @property
     def hashes(self) -> np.ndarray:
