@@ -350,7 +350,7 @@ def replay(
     logs: dict[str, _RequestLog] = {}
     outputs: dict[str, tuple[tuple[int, ...], ...]] = {}
     steps = StepsRecorder(STEPS_CHUNK)
-    covered_tokens = _CoveredTokens()
+    covered_tokens = _CoveredTokens(logs)
     bar = _Progress(len(pending), progress, workload.name)
     num_done = num_tokens = idle_steps = stall_steps = 0
     limit = workload.max_concurrency
@@ -399,7 +399,7 @@ def replay(
                 steps.add_covered(timing, covered)
                 num_steps += len(ends)
                 # Every batch sequence produced one token in each covered step: counted
-                # into the request logs once the replay ends, for all runs together.
+                # into the request logs many runs at a time (and when the replay ends).
                 covered_tokens.add(covered, ends)
                 num_tokens += len(ends) * len(covered.request_ids)
             else:
@@ -468,7 +468,7 @@ def replay(
             bar.update(num_done, num_tokens, end_s)
     finally:
         bar.close()
-    covered_tokens.count_into(logs)
+    covered_tokens.count()
     duration_s = clock.now()
     return RawRun(
         requests=_requests_frame(logs.values(), outputs),
@@ -479,14 +479,16 @@ def replay(
     )
 
 
-# Sample-0 tokens _CoveredTokens expands per numpy pass (bounds its index arrays).
+# Covered tokens _CoveredTokens holds before counting them into the request logs: bounds
+# its arrays, and the logs grow through the run as they would token by token.
 _COUNT_TOKENS_AT_ONCE = 1 << 20
 
 
 class _CoveredTokens:
-    """The tokens of multi-step outputs, counted into the request logs at the end of the
-    replay for all runs at once (numpy over every covered token), instead of a Python
-    pass over each run's batch: a ShareGPT-like replay covers ~100 sequences per step.
+    """The tokens of multi-step outputs, counted into the request logs in numpy, many
+    runs at a time (at least every ``_COUNT_TOKENS_AT_ONCE`` tokens, and at the end of
+    the replay), instead of a Python pass over each run's batch: a ShareGPT-like replay
+    covers ~100 sequences per step.
 
     Nothing reads a log's token counts, first-token time or token times before the
     replay ends. Each run adds, per batch sequence, its step count to the request's
@@ -494,31 +496,39 @@ class _CoveredTokens:
     one counts); sample 0's sequence adds every step end to the request's token times,
     which stay in time order (the clock never goes back)."""
 
-    __slots__ = ("_runs",)
+    __slots__ = ("_logs", "_runs", "_num_pending")
 
-    def __init__(self) -> None:
-        # Per covered output: its request ids and sample indexes (per batch sequence)
-        # and its steps' end times.
+    def __init__(self, logs: dict[str, _RequestLog]) -> None:
+        self._logs = logs  # by request id: every request id of a run is there
+        # Per covered output since the last count: its request ids and sample indexes
+        # (per batch sequence) and its steps' end times.
         self._runs: list[tuple[tuple[str, ...], tuple[int, ...], list[float]]] = []
+        self._num_pending = 0
 
     def add(self, covered: CoveredSteps, ends: list[float]) -> None:
-        """Record ``covered``'s batch, whose steps ended at ``ends``. Mutates itself."""
+        """Record ``covered``'s batch, whose steps ended at ``ends``; counts what it holds
+        into the logs once that reaches ``_COUNT_TOKENS_AT_ONCE`` tokens. Mutates itself
+        and then the logs."""
         self._runs.append((covered.request_ids, covered.sample_indexes, ends))
+        self._num_pending += len(ends) * len(covered.request_ids)
+        if self._num_pending >= _COUNT_TOKENS_AT_ONCE:
+            self.count()
 
-    def count_into(self, logs: dict[str, _RequestLog]) -> None:
-        """Add every recorded run's tokens to ``logs`` (keyed by request id; every
-        request id of a run must be there). Mutates the logs; empties itself."""
-        runs, self._runs = self._runs, []
+    def count(self) -> None:
+        """Add the recorded runs' tokens to the logs. Mutates the logs; empties itself."""
+        runs, self._runs, self._num_pending = self._runs, [], 0
         if not runs:
             return
+        logs = self._logs
         seqs_per_run = np.fromiter((len(ids) for ids, _, _ in runs), np.int64, len(runs))
         steps_per_run = np.fromiter((len(ends) for _, _, ends in runs), np.int64, len(runs))
-        ends = np.fromiter(
-            itertools.chain.from_iterable(ends for _, _, ends in runs), np.float64, int(steps_per_run.sum())
-        )
+        # The runs' own float objects, in order: a step's end time is one object however
+        # many requests' token times hold it (a float per token would double those lists).
+        end_objects = list(itertools.chain.from_iterable(ends for _, _, ends in runs))
+        ends = np.array(end_objects, dtype=np.float64)
         first_end = np.cumsum(steps_per_run) - steps_per_run  # each run's offset in ends
-        order = list(logs)
-        # Per (run, batch sequence) pair: its request's position in `order`, run and sample.
+        # Per (run, batch sequence) pair: its request (a position in `order`), run, sample.
+        order = list(dict.fromkeys(itertools.chain.from_iterable(ids for ids, _, _ in runs)))
         codes = pd.Index(order).get_indexer(list(itertools.chain.from_iterable(ids for ids, _, _ in runs)))
         samples = np.fromiter(
             itertools.chain.from_iterable(indexes for _, indexes, _ in runs), np.int64, len(codes)
@@ -537,30 +547,20 @@ class _CoveredTokens:
         zero_codes = codes[zero][by_request]
         zero_runs = pair_run[zero][by_request]
         zero_steps = pair_steps[zero][by_request]
-        token_start = np.cumsum(zero_steps) - zero_steps  # each pair's first token in `times`
-        times = np.empty(int(zero_steps.sum()), dtype=np.float64)  # grouped by request
-        shift = first_end[zero_runs] - token_start  # a token's place in `ends`, less its own
-        # Expanded a few million tokens at a time: the index arrays of a whole long trace
-        # at once would add a quarter of its peak memory.
-        cuts = np.searchsorted(token_start, np.arange(0, len(times), _COUNT_TOKENS_AT_ONCE))
-        for first, last in zip(cuts.tolist(), [*cuts[1:].tolist(), len(zero_steps)]):
-            if first == last:
-                continue
-            start = int(token_start[first])
-            stop = int(token_start[last - 1] + zero_steps[last - 1])
-            positions = np.repeat(shift[first:last], zero_steps[first:last])
-            positions += np.arange(start, stop)
-            times[start:stop] = ends[positions]
+        positions = np.repeat(first_end[zero_runs] - (np.cumsum(zero_steps) - zero_steps), zero_steps)
+        positions += np.arange(len(positions))  # in `ends` [sample-0 tokens], grouped by request
         per_request = np.zeros(len(order), dtype=np.int64)
         np.add.at(per_request, zero_codes, zero_steps)
         bounds = np.concatenate([[0], np.cumsum(per_request)]).tolist()
-        for code in np.flatnonzero(generated).tolist():
-            log = logs[order[code]]
+        for code, request_id in enumerate(order):
+            log = logs[request_id]
             log.num_generated_tokens += int(generated[code])
             first = float(first_token_s[code])
             if not first >= log.first_token_s:  # NaN (none yet) or later
                 log.first_token_s = first
-            covered_times = times[bounds[code] : bounds[code + 1]].tolist()
+            covered_times = list(
+                map(end_objects.__getitem__, positions[bounds[code] : bounds[code + 1]].tolist())
+            )
             if covered_times:
                 # Both lists are in time order: the merge is a sort of two runs.
                 log.token_times_s = (

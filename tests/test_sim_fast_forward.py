@@ -85,9 +85,9 @@ def assert_identical(
 
 
 def test_covered_tokens_counted_a_few_at_a_time_read_the_same(monkeypatch):
-    """The runner counts the covered steps' tokens into the request records at the end,
-    expanding a bounded number at a time (runner._COUNT_TOKENS_AT_ONCE): with 5 per pass
-    (requests' tokens split across passes) the records equal stepping one at a time."""
+    """The runner counts the covered steps' tokens into the request records in batches,
+    at least every runner._COUNT_TOKENS_AT_ONCE tokens: with 5 (a count after every run)
+    the records equal stepping one at a time."""
     monkeypatch.setattr(runner_module, "_COUNT_TOKENS_AT_ONCE", 5)
     workload = chat(
         num_conversations=4,
