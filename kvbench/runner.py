@@ -528,8 +528,7 @@ class _CoveredTokens:
         ends = np.array(end_objects, dtype=np.float64)
         first_end = np.cumsum(steps_per_run) - steps_per_run  # each run's offset in ends
         # Per (run, batch sequence) pair: its request (a position in `order`), run, sample.
-        order = list(dict.fromkeys(itertools.chain.from_iterable(ids for ids, _, _ in runs)))
-        codes = pd.Index(order).get_indexer(list(itertools.chain.from_iterable(ids for ids, _, _ in runs)))
+        codes, order = pd.Index(list(itertools.chain.from_iterable(ids for ids, _, _ in runs))).factorize()
         samples = np.fromiter(
             itertools.chain.from_iterable(indexes for _, indexes, _ in runs), np.int64, len(codes)
         )
@@ -543,19 +542,21 @@ class _CoveredTokens:
         # pairs are sorted (stably, keeping each request's runs in replay order, hence its
         # times in time order), then expanded to one entry per token.
         zero = samples == 0
-        by_request = np.argsort(codes[zero], kind="stable")
-        zero_codes = codes[zero][by_request]
+        zero_codes = codes[zero]
+        by_request = np.argsort(zero_codes, kind="stable")
+        zero_codes = zero_codes[by_request]
         zero_runs = pair_run[zero][by_request]
         zero_steps = pair_steps[zero][by_request]
         positions = np.repeat(first_end[zero_runs] - (np.cumsum(zero_steps) - zero_steps), zero_steps)
         positions += np.arange(len(positions))  # in `ends` [sample-0 tokens], grouped by request
-        per_request = np.zeros(len(order), dtype=np.int64)
-        np.add.at(per_request, zero_codes, zero_steps)
-        bounds = np.concatenate([[0], np.cumsum(per_request)]).tolist()
-        for code, request_id in enumerate(order):
+        # Request c's tokens: positions[bounds[c] : bounds[c + 1]] (zero_codes is sorted).
+        token_codes = np.repeat(zero_codes, zero_steps)
+        bounds = np.searchsorted(token_codes, np.arange(len(order) + 1)).tolist()
+        for code, (request_id, num_generated, first) in enumerate(
+            zip(order, generated.tolist(), first_token_s.tolist())
+        ):
             log = logs[request_id]
-            log.num_generated_tokens += int(generated[code])
-            first = float(first_token_s[code])
+            log.num_generated_tokens += num_generated
             if not first >= log.first_token_s:  # NaN (none yet) or later
                 log.first_token_s = first
             covered_times = list(

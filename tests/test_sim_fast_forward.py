@@ -87,22 +87,9 @@ def assert_identical(
 def test_covered_tokens_counted_a_few_at_a_time_read_the_same(monkeypatch):
     """The runner counts the covered steps' tokens into the request records in batches,
     at least every runner._COUNT_TOKENS_AT_ONCE tokens: with 5 (a count after every run)
-    the records equal stepping one at a time."""
+    the chat scenario below still reads the same as stepping one at a time."""
     monkeypatch.setattr(runner_module, "_COUNT_TOKENS_AT_ONCE", 5)
-    workload = chat(
-        num_conversations=4,
-        num_turns=2,
-        system_prompt_len=32,
-        user_len={"kind": "uniform", "low": 10, "high": 40},
-        output_len={"kind": "uniform", "low": 20, "high": 90},
-        arrival={"kind": "poisson", "rate_per_s": 8.0},
-        turn_interval_s=0.3,
-        vocab_size=SPEC.vocab_size,
-        seed=11,
-    )
-    assert_identical(
-        workload, min_covered_share=0.5, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128
-    )
+    test_chat_with_shared_prefixes_and_poisson_arrivals()
 
 
 def test_chat_with_shared_prefixes_and_poisson_arrivals():
