@@ -1,8 +1,10 @@
 """A planted regression for the noise-aware compare tests (test-only; production code has no hook).
 
 ``SlowPagedEngine`` is the paged engine with every step made ``SLOWDOWN`` longer: after
-each step it sleeps for that fraction of the step's own duration, so the slowdown stays
-30 % whatever the machine's load. A run selects it with
+each step it spins for that fraction of the step's own duration, so the slowdown stays
+30 % whatever the machine's load. (It spins rather than sleeps: a millisecond's sleep on a
+loaded machine overshoots by a varying amount, which planted about 45 % with a wide spread
+rather than 30 %.) A run selects it with
 ``engine._target_=planted_slowdown.SlowPagedEngine`` and ``tests/`` on PYTHONPATH; its
 configuration (engine name, parameters) is the paged engine's, so ``kvbench compare``
 matches its runs with the paged engine's, as a nightly matches an unchanged configuration
@@ -25,7 +27,10 @@ class SlowPagedEngine(PagedEngine):
     def step(self) -> StepOutput:
         start_s = time.perf_counter()
         output = super().step()
-        time.sleep(SLOWDOWN * (time.perf_counter() - start_s))
+        end_s = time.perf_counter()
+        until_s = end_s + SLOWDOWN * (end_s - start_s)
+        while time.perf_counter() < until_s:
+            pass
         return output
 
 

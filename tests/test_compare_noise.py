@@ -305,6 +305,9 @@ def test_planted_tpot_regression_is_caught_under_background_load(tmp_path, capsy
             "workload=random",
             "workload.num_requests=8",
             "workload.arrival=offline",
+            # One intra-op thread: with two, torch's parallel regions wait on the thread that
+            # shares its core with the busy loop, which is noise this test does not need.
+            "run.num_threads=1",
             "run.report=false",
             "run.progress=off",
             "run.sweep_name=planted",
@@ -343,13 +346,18 @@ def test_planted_tpot_regression_is_caught_under_background_load(tmp_path, capsy
     for normalize in (False, True):  # an unchanged build is never a regression
         same = found["same", normalize]
         assert same.passed and row(same, "tpot_ms_median")["gate_verdict"] in ("pass", "inconclusive")
-    # 5 repeats resolve a 30 % change only when the run-to-run noise is well below it; the
-    # unchanged build, interleaved with the slowed one, measures that noise at the same time.
-    # (Normalising helps when another process takes a core for a whole run, and adds noise
-    # when the probe's snapshot misses the run's conditions: the default compare is gated.)
-    slow, same_tpot = found["slow", False], row(found["same", False], "tpot_ms_median")
-    if row(slow, "tpot_ms_median")["gate_verdict"] != "regression":
-        if same_tpot["ci_high_pct"] - same_tpot["ci_low_pct"] > 40:
-            pytest.skip(f"machine too noisy for 5 repeats to resolve 30 %: {widths}")
-        pytest.fail(f"the planted 30 % TPOT regression was not caught: {widths}")
+    # 5 repeats resolve a 30 % change against a +10 % gate only when the run-to-run noise
+    # keeps the interval of the change above 10 %. When it does not, the interval must still
+    # be consistent with what was planted: straddling both the gate and the planted change
+    # is the honest "cannot tell at this noise" (skip); an interval above the gate without a
+    # regression verdict, or one that puts the change below 20 %, is a defect. (Normalising
+    # helps when another process takes a core for a whole run, and adds noise when the
+    # probe's snapshot misses the run's conditions: the default compare is gated.)
+    slow = found["slow", False]
+    slow_tpot = row(slow, "tpot_ms_median")
+    if slow_tpot["gate_verdict"] != "regression":
+        assert slow_tpot["ci_low_pct"] <= 10, f"interval above the gate, no regression verdict: {widths}"
+        if slow_tpot["ci_high_pct"] < 20:
+            pytest.fail(f"the planted 30 % TPOT regression measured below 20 %: {widths}")
+        pytest.skip(f"machine too noisy for 5 repeats to resolve 30 % from the 10 % gate: {widths}")
     assert not slow.passed and any("breaks tpot_ms_median:+10%" in f for f in slow.failures)
