@@ -454,6 +454,7 @@ class BenchFigure:
 
 
 SIM = "test_sim_mooncake_conversation_llama3_70b"
+SLAB = "test_slab_vs_paged_cpu_time_and_slope"
 BENCH_FIGURES: tuple[BenchFigure, ...] = (
     BenchFigure(
         "ShareGPT-like, requests/s of CPU",
@@ -503,6 +504,21 @@ BENCH_FIGURES: tuple[BenchFigure, ...] = (
         "overhead",
         "signed_percent",
         "<= +2 %",
+    ),
+    BenchFigure(
+        "slab (issue 17): CPU s / paged's, Mooncake conversation, 12,031 requests at 128K",
+        SLAB,
+        "slab_over_paged_12031",
+        "ratio",
+        "<= 2",
+    ),
+    BenchFigure(
+        "slab (issue 17): slope of CPU s against requests, 1,000 to 12,031",
+        SLAB,
+        "slab_slope",
+        "ratio",
+        "<= 1.1",
+        expect={"slope_small_requests": 1000, "slope_large_requests": 12031},
     ),
     *(
         BenchFigure(

@@ -213,3 +213,14 @@ def test_sim_speed_block_refuses_missing_and_duplicate_benchmarks(tmp_path) -> N
     (tmp_path / "d.json").write_text("{}")
     with pytest.raises(rf.FiguresError, match="no 'benchmarks' list"):
         rf.load_benchmarks([tmp_path / "d.json"])
+
+
+def test_readme_sim_speed_block_is_the_committed_benchmarks_rendered() -> None:
+    """Every cell of README.md's sim_speed block, not only its labels: the committed
+    benchmark JSON (tests/benchmarks/figures/) is fixed, so the block must be exactly what
+    the script renders from it; a typed or hand-edited figure, or JSON re-measured without
+    re-rendering, fails here."""
+    paths = sorted((ROOT / "tests" / "benchmarks" / "figures").glob("*.json"))
+    table = rf.render_bench_table(rf.load_benchmarks(paths))
+    start, stop = rf.block_span(README, rf.BENCH_BLOCK)
+    assert README[start:stop].strip() == rf.bench_markdown(table).strip()

@@ -72,6 +72,9 @@ def test_slab_vs_paged_cpu_time_and_slope(benchmark):
     }
     for name, slope in slopes.items():
         figures.update(slope.as_info(f"{name}_slope"))
+    if slopes:
+        figures["slope_small_requests"] = len(workloads[small].requests)
+        figures["slope_large_requests"] = len(workloads[large].requests)
     benchmark.extra_info.update(figures)
     print("\nslab vs paged, Mooncake conversation (CPU s: min / median / max over rounds)")
     for n in sizes:
