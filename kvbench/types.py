@@ -225,7 +225,10 @@ class RejectedRequest:
     reason: str
 
 
-@dataclass(frozen=True)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True, eq=False)  # __eq__ below: the token array compares by value
 class CoveredSteps:
     """The iterations a multi-step ``StepOutput`` covers, column-wise: a simulated decode
     run, a fixed batch in which every sequence produces one token per step.
@@ -257,9 +260,17 @@ class CoveredSteps:
                 )
         shape = (len(self.request_ids), num_steps)
         try:
-            tokens = np.array(self.token_ids, dtype=np.int64)  # a copy: the record's own
-        except ValueError:  # ragged rows
-            tokens = None
+            given = np.asarray(self.token_ids)
+        except (ValueError, OverflowError):  # ragged rows, or an id beyond 64 bits
+            given = None
+        # Integer ids only: an int64 copy would truncate floats and wrap big uint64s.
+        if (
+            given is not None
+            and given.size
+            and (given.dtype.kind not in "iu" or (given.dtype.kind == "u" and given.max() > _INT64_MAX))
+        ):
+            raise ValueError(f"CoveredSteps: token ids must be int64 integers, got {given.dtype}")
+        tokens = None if given is None else np.array(given, dtype=np.int64)  # a copy: the record's own
         if tokens is not None and tokens.size == 0:
             tokens = tokens.reshape(0, num_steps)  # no row at all
         if tokens is None or tokens.shape != shape or len(self.sample_indexes) != shape[0]:
@@ -269,6 +280,20 @@ class CoveredSteps:
             )
         tokens.flags.writeable = False
         object.__setattr__(self, "token_ids", tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CoveredSteps):
+            return NotImplemented
+        return (
+            self.durations_s == other.durations_s
+            and self.template == other.template
+            and self.columns == other.columns
+            and self.request_ids == other.request_ids
+            and self.sample_indexes == other.sample_indexes
+            and np.array_equal(self.token_ids, other.token_ids)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking fields (columns, an array)
 
     def __len__(self) -> int:
         return len(self.durations_s)

@@ -348,9 +348,10 @@ def test_planted_tpot_regression_is_caught_under_background_load(tmp_path, capsy
         assert same.passed and row(same, "tpot_ms_median")["gate_verdict"] in ("pass", "inconclusive")
     # 5 repeats resolve a 30 % change against a +10 % gate only when the run-to-run noise
     # keeps the interval of the change above 10 %. When it does not, the interval must still
-    # be consistent with what was planted: straddling both the gate and the planted change
-    # is the honest "cannot tell at this noise" (skip); an interval above the gate without a
-    # regression verdict, or one that puts the change below 20 %, is a defect. (Normalising
+    # be consistent with what was planted: one that straddles the gate and reaches 20 % is
+    # the honest "cannot tell at this noise" (skip; 20, not 30, because TPOT also holds the
+    # runner's time between steps, which the planted slowdown leaves alone); an interval
+    # above the gate without a regression verdict, or one below 20 %, is a defect. (Normalising
     # helps when another process takes a core for a whole run, and adds noise when the
     # probe's snapshot misses the run's conditions: the default compare is gated.)
     slow = found["slow", False]

@@ -408,6 +408,27 @@ def test_memoised_answer_follows_a_decode_registration_and_a_silent_reuse():
     m.check()
 
 
+@pytest.mark.parametrize("copy_fn", [copy_module.copy, copy_module.deepcopy, KeyedTokenIds.copy])
+def test_a_copied_keyed_list_keeps_its_own_chain_and_memo(copy_fn):
+    """Two copies that diverge after a memoised match must each match their own ids: a
+    copy shares no chain (keys, memo) with its original, however it was made."""
+    m = PagedKVManager(8, BS, 1, BlockHashPrefixIndex())
+    index = m.prefix_index
+    writer = KeyedTokenIds([3] * 12 + [9])
+    m.allocate(0, writer, 13, None)
+    m.commit(0, writer)
+    a = KeyedTokenIds([3] * 9)
+    index.match(a, None)  # memoised on a's chain
+    b = copy_fn(a)
+    assert b == a and b.key_chain is not a.key_chain
+    a.extend([3] * 3 + [1])
+    b.extend([5] * 3 + [1])
+    for ids, want in ((a, 12), (b, 8)):
+        for _ in range(2):  # the walk, then the memo
+            assert index.match(ids, None).num_tokens == want == index.match(list(ids), None).num_tokens
+    m.check()
+
+
 def test_memoised_match_keeps_no_cycle_through_its_chain():
     """A match's handle is the chain carrying the memo: the memo must not hold the match
     back, or every sequence's chain (keys, memo index) would outlive it until a garbage

@@ -211,11 +211,18 @@ def test_covered_steps_check_their_shape() -> None:
         CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), ((5, 6), (7, 8)))  # a row too many
     with pytest.raises(ValueError, match="one row"):
         CoveredSteps((1.0,), stats, {}, ("r", "s"), (0, 0), ((5, 6),))  # 2 tokens, not 2 rows of 1
+    for ids in ([[5.0, 6.0]], np.array([[2**63, 6]], dtype=np.uint64)):  # no silent truncation or wrap
+        with pytest.raises(ValueError, match="token ids must be int64 integers"):
+            CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), ids)
     tokens = np.array([[5, 6]])
     covered = CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), tokens)
     tokens[0, 0] = 9  # the record holds its own read-only copy
     assert not covered.token_ids.flags.writeable
     assert [event.token_id for event in covered.tokens()] == [5, 6]
+    # Records compare by value, the token array included (as when it was a tuple).
+    assert covered == CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), [[5, 6]])
+    assert covered != CoveredSteps((1.0, 1.0), stats, {}, ("r",), (0,), [[5, 7]])
+    assert covered != CoveredSteps((1.0, 2.0), stats, {}, ("r",), (0,), [[5, 6]])
 
 
 # --------------------------------------------------------------------------- stall watchdog

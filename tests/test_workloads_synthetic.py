@@ -428,3 +428,23 @@ def test_chat_property_each_turn_extends_the_previous(seed: int, turns: int, con
             prev, nxt = by_id[f"chat-{c:04d}-{k - 1:03d}"], by_id[f"chat-{c:04d}-{k:03d}"]
             assert nxt.prompt_token_ids[: prev.num_prompt_tokens] == prev.prompt_token_ids
             assert nxt.num_prompt_tokens == prev.num_prompt_tokens + 2 + 3
+
+
+def test_half_a_protocol_is_refused_naming_what_the_protocol_needs():
+    """An object with ``draw`` but no length bounds is not a LengthDist, nor one with
+    ``times`` but no ``request_tags`` an ArrivalProcess: refused, saying what is needed."""
+
+    class DrawOnly:
+        def draw(self, rng, num):
+            return np.ones(num)
+
+    class TimesOnly:
+        def times(self, rng, num):
+            return np.zeros(num)
+
+    with pytest.raises(WorkloadConfigError, match=r"^prompt_len: .*LengthDist \(min_len, max_len and draw\)"):
+        length_dist(DrawOnly(), "prompt_len")
+    with pytest.raises(WorkloadConfigError, match=r"^arrival: .*ArrivalProcess \(times and request_tags\)"):
+        arrival_process(TimesOnly())
+    fixed = length_dist(7, "prompt_len")
+    assert length_dist(fixed, "prompt_len") is fixed  # a whole LengthDist passes as is

@@ -300,7 +300,10 @@ def length_dist(spec: LengthDist | Mapping[str, Any] | int, field: str) -> Lengt
     if not isinstance(spec, Mapping):
         if isinstance(spec, LengthDist):
             return spec
-        raise WorkloadConfigError(f"{field}: expected an int or a mapping with 'kind', got {spec!r}")
+        raise WorkloadConfigError(
+            f"{field}: expected an int, a mapping with 'kind', or a LengthDist (min_len, max_len "
+            f"and draw), got {spec!r}"
+        )
     params = dict(spec)
     kind = params.pop("kind", None)
     if kind not in _LENGTH_KINDS:
@@ -327,7 +330,10 @@ def arrival_process(
     if not isinstance(spec, Mapping):
         if isinstance(spec, ArrivalProcess):
             return spec
-        raise WorkloadConfigError(f"{field}: expected a mapping with 'kind', got {spec!r}")
+        raise WorkloadConfigError(
+            f"{field}: expected a mapping with 'kind', a kind name, or an ArrivalProcess (times "
+            f"and request_tags), got {spec!r}"
+        )
     params = dict(spec)
     kind = params.pop("kind", None)
     if kind not in _ARRIVAL_KINDS:

@@ -214,6 +214,14 @@ class KeyedTokenIds(KeyCarrier, list):  # type: ignore[type-arg]  # a list[int]
             other.key_chain = self.key_chain.copy()
         return other
 
+    # copy.copy / copy.deepcopy: ``copy``, with a chain of its own. (The default would share
+    # the chain, its keys and its match memo, between two lists that may then diverge.)
+    def __copy__(self) -> KeyedTokenIds:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> KeyedTokenIds:
+        return self.copy()
+
 
 class ArrayTokenIds(KeyCarrier, Sequence[int]):
     """A sequence's token ids as its prompt's numpy array (shared, never written) plus a

@@ -237,7 +237,10 @@ class Scheduler:
         self._seqs: dict[int, tuple[SequenceGroup, Sequence]] = {}
         self._next_seq_id = 0
         self._next_arrival = 0
-        self._num_running_seqs = 0  # sum of num_samples over running groups (seq budget)
+        # Sequence budget taken (max_num_seqs): num_samples summed over running groups, which
+        # counts a group's samples before it forks and after some finish (num_running_seqs
+        # counts the live sequences).
+        self._seq_budget_used = 0
         self._pending_rejections: list[RejectedRequest] = []
         self._finished: list[FinishedRequest] = []
         # Per-step planning state.
@@ -449,7 +452,7 @@ class Scheduler:
         running = self.running
         # The sequence budget equals the group count only when every group runs one sample
         # (no beam, no parallel samples): then no group needs checking.
-        if self._num_running_seqs != len(running) and any(
+        if self._seq_budget_used != len(running) and any(
             [group.is_beam or (group.num_samples > 1 and not group.has_forked) for group in running]
         ):
             return None
@@ -635,7 +638,7 @@ class Scheduler:
     # The admission rule, shared by _admit_waiting and the decode-run checks above.
     def _fits_seq_budget(self, group: SequenceGroup) -> bool:
         """Whether ``group``'s samples fit the sequence budget next to the running ones. Pure."""
-        return self._num_running_seqs + group.num_samples <= self.config.max_num_seqs
+        return self._seq_budget_used + group.num_samples <= self.config.max_num_seqs
 
     def _first_chunk(
         self, seq: Sequence, hold_last: bool, salt: str | None, budget: int, has_pieces: bool
@@ -844,7 +847,7 @@ class Scheduler:
                     f"does not fit in the KV pool ({self.kv.num_blocks} blocks) even when running alone",
                 )
             )
-            self._num_running_seqs -= group.num_samples
+            self._seq_budget_used -= group.num_samples
             return
         self._preempt(group, allow_swap=not partly_grown)
 
@@ -852,7 +855,7 @@ class Scheduler:
         """Evict a running group (already removed from ``running``): swap or recompute."""
         group.num_preemptions += 1
         self._num_preemptions += 1
-        self._num_running_seqs -= group.num_samples
+        self._seq_budget_used -= group.num_samples
         if allow_swap and self.config.preemption == "swap" and self._swap_out(group):
             group.status = GroupStatus.SWAPPED
             self._insert(self.swapped, group)
@@ -917,7 +920,7 @@ class Scheduler:
             else:
                 self.swapped.pop(0)
                 group.status = GroupStatus.RUNNING
-                self._num_running_seqs += group.num_samples
+                self._seq_budget_used += group.num_samples
                 self._insert(self.running, group)
                 continue
             for seq in moved:  # not enough room for the whole group: put them back
@@ -938,7 +941,7 @@ class Scheduler:
                     self._register_scheduled(group)
                 self._dequeue_waiting()
                 group.status = GroupStatus.RUNNING
-                self._num_running_seqs += group.num_samples
+                self._seq_budget_used += group.num_samples
                 self._insert(self.running, group)
                 continue
             hold_last = group.is_beam and group.has_forked
@@ -959,7 +962,7 @@ class Scheduler:
                     self._register_scheduled(group)
                 self._dequeue_waiting()
                 group.status = GroupStatus.RUNNING
-                self._num_running_seqs += group.num_samples
+                self._seq_budget_used += group.num_samples
                 self._insert(self.running, group)
                 if not group.was_scheduled:
                     group.was_scheduled = True
@@ -1225,7 +1228,7 @@ class Scheduler:
     def _retire(self, group: SequenceGroup) -> None:
         if group.status is GroupStatus.RUNNING:
             self.running.remove(group)
-            self._num_running_seqs -= group.num_samples
+            self._seq_budget_used -= group.num_samples
         group.status = GroupStatus.FINISHED
         self._finished.append(group.to_finished())
 
@@ -1313,7 +1316,7 @@ class Scheduler:
                     f"{group.request_id} seq {seq.seq_id}: waiting but holds KV"
                 )
         num_seqs = sum(group.num_samples for group in self.running)
-        assert num_seqs == self._num_running_seqs, f"sequence budget {self._num_running_seqs} != {num_seqs}"
+        assert num_seqs == self._seq_budget_used, f"sequence budget {self._seq_budget_used} != {num_seqs}"
 
     def group_of(self, seq_id: int) -> SequenceGroup:
         """The group owning a live sequence; KeyError naming the id otherwise."""
