@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from kvbench.engines.config import DEFAULTS, PREFIX_INDEXES, EngineConfig, size_pool
 from kvbench.engines.exec.protocol import ExecutionResult, Executor
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.kv.protocol import KVManager
+from kvbench.engines.kv.protocol import DecodeRunKV, KVManager
 from kvbench.engines.sched.scheduler import Scheduler, SchedulerOutput
 from kvbench.engines.sched.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim.executor import CostModelExecutor
@@ -131,7 +131,8 @@ class PagedEngine:
                 PREFIX_INDEXES[config.prefix_cache](),
                 config.host_blocks_for(num_blocks),
             )
-        self._build(ctx, name, config, num_blocks, executor, kv)
+        # Only the plain paged manager's own accounting is what PagedDecodeRun assumes.
+        self._build(ctx, name, config, num_blocks, executor, kv, kv if type(kv) is PagedKVManager else None)
 
     @classmethod
     def assemble(
@@ -148,7 +149,7 @@ class PagedEngine:
         ``num_blocks`` blocks that ``size_pool`` gave for ``config`` (the executor's
         tensors must fit it); ``executor`` None builds the torch executor."""
         engine = cls.__new__(cls)
-        engine._build(ctx, name, config, num_blocks, executor, kv)
+        engine._build(ctx, name, config, num_blocks, executor, kv, None)
         return engine
 
     def _build(
@@ -159,7 +160,10 @@ class PagedEngine:
         num_blocks: int,
         executor: Executor | None,
         kv: KVManager,
+        decode_runs: DecodeRunKV | None,
     ) -> None:
+        """Wire the engine over ``kv``; ``decode_runs``: the same manager when simulation
+        may fast-forward decode runs over it (``engines/sim/fast_forward.py``), else None."""
         spec = ctx.spec
         self.name = name
         self.ctx = ctx
@@ -190,12 +194,12 @@ class PagedEngine:
         self._logits_tokens: LogitsTokens | None = None
         self._stand_ins = StandInTokens(ctx.seed, spec.vocab_size)
         # Fast-forward (simulation only): the cost-model executor prices a decode run in
-        # one call, and only the plain paged manager's accounting is what DecodeRun and
-        # append_decodes assume (variants override append/usage).
+        # one call; ``decode_runs`` is ``kv`` when its class offers decode runs whose
+        # accounting is its own (not a subclass overriding append or usage).
         self._fast: FastForward | None = None
-        if config.fast_forward and isinstance(executor, CostModelExecutor) and type(kv) is PagedKVManager:
+        if config.fast_forward and isinstance(executor, CostModelExecutor) and decode_runs is not None:
             self._fast = FastForward(
-                self.scheduler, kv, executor, self._stand_ins, spec.eos_token_id, self.step_stats
+                self.scheduler, decode_runs, executor, self._stand_ins, spec.eos_token_id, self.step_stats
             )
         self._run_window: tuple[float, float] | None = None
 

@@ -41,6 +41,7 @@ class SlabEngine(PagedEngine):
         chunked_prefill: bool = DEFAULTS.chunked_prefill,
         victim_policy: str = DEFAULTS.victim_policy,
         decode_backend: str = DEFAULTS.decode_backend,
+        fast_forward: bool = DEFAULTS.fast_forward,
         executor: Executor | None = None,
     ) -> None:
         if placement not in PLACEMENTS:
@@ -56,7 +57,7 @@ class SlabEngine(PagedEngine):
             reservation,
             PLACEMENTS[placement](),
         )
-        self._build(ctx, name, config, num_blocks, executor, self.slab)
+        self._build(ctx, name, config, num_blocks, executor, self.slab, self.slab)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -124,9 +124,10 @@ def test_every_kv_manager_offers_the_whole_contract(manager):
         assert callable(getattr(manager, name, None)), name
 
 
-def test_only_the_paged_manager_offers_decode_runs():
+def test_the_paged_and_slab_managers_offer_decode_runs():
     members = [name for name in vars(DecodeRunKV) if not name.startswith("_")]
-    assert {"decode_run", "match_watch", "usage_of", "num_allocatable_blocks"} <= set(members)
-    for name in members:
-        assert hasattr(PagedKVManager, name), name
-    assert not hasattr(SlabKVManager, "decode_run") and not hasattr(BoundedKVManager, "decode_run")
+    assert {"decode_run", "match_watch", "usage_of", "usage_columns"} <= set(members)
+    for manager in (PagedKVManager, SlabKVManager):
+        for name in members:
+            assert callable(getattr(manager, name, None)), (manager.__name__, name)
+    assert not hasattr(BoundedKVManager, "decode_run")

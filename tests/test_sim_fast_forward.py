@@ -5,7 +5,8 @@ Each scenario runs the same workload through two simulated paged engines, one wi
 ``fast_forward=False``, and compares the runner's frames cell by cell. The scenarios
 are chosen so that runs are cut by every event: arrivals (Poisson), finishes, block
 boundaries, prefix hits and evictions, preemptions (small pools), admissions blocked on
-the pool, parallel samples (copy-on-write after the fork) and beams (never fast-forwarded).
+the pool, parallel samples (copy-on-write after the fork) and beams (never fast-forwarded). The
+slab engine's runs (its regions reserved at admission) are compared the same way.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbench.runner as runner_module
-from kvbench.engines.kv.paged import DecodeRun
+from kvbench.engines.kv.paged import PagedDecodeRun
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sim.executor import CostModelExecutor
+from kvbench.engines.slab import SlabEngine
 from kvbench.runner import RawRun, SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import EngineContext, Workload
@@ -45,12 +47,26 @@ class CountingEngine(PagedEngine):
         return super().step()
 
 
+class CountingSlabEngine(SlabEngine):
+    """``CountingEngine`` over the slab manager."""
+
+    num_calls = 0
+
+    def step(self):  # type: ignore[override]
+        self.num_calls += 1
+        return super().step()
+
+
 def run(
-    workload: Workload, fast_forward: bool, spec: ModelSpec = SPEC, **params: object
-) -> tuple[RawRun, CountingEngine]:
+    workload: Workload,
+    fast_forward: bool,
+    spec: ModelSpec = SPEC,
+    engine_cls: type[PagedEngine] = CountingEngine,
+    **params: object,
+) -> tuple[RawRun, PagedEngine]:
     ctx = EngineContext(spec, SLOW, None, "cpu", "fp32", 0, "sim")
     block_size = int(params.get("block_size", 16))  # type: ignore[call-overload]
-    engine = CountingEngine(
+    engine = engine_cls(
         ctx,
         executor=CostModelExecutor.from_context(ctx, block_size=block_size),
         fast_forward=fast_forward,
@@ -63,11 +79,15 @@ def run(
 
 
 def assert_identical(
-    workload: Workload, min_covered_share: float = 0.0, spec: ModelSpec = SPEC, **params: object
+    workload: Workload,
+    min_covered_share: float = 0.0,
+    spec: ModelSpec = SPEC,
+    engine_cls: type[PagedEngine] = CountingEngine,
+    **params: object,
 ) -> float:
     """Run both ways, compare everything; returns the share of steps covered by runs."""
-    slow, slow_engine = run(workload, False, spec, **params)
-    fast, fast_engine = run(workload, True, spec, **params)
+    slow, slow_engine = run(workload, False, spec, engine_cls, **params)
+    fast, fast_engine = run(workload, True, spec, engine_cls, **params)
     assert slow_engine.num_calls == slow.num_steps
     pd.testing.assert_frame_equal(slow.steps, fast.steps, check_exact=True)
     pd.testing.assert_frame_equal(
@@ -129,13 +149,13 @@ def test_small_pool_preempts_and_blocks_admission():
 def test_mooncake_head_fixture(prefix_cache, monkeypatch):
     # Count the steps runs reserved together (quiet steps: the head could not start).
     reserved = [0]
-    advance_many = DecodeRun.advance_many
+    advance_many = PagedDecodeRun.advance_many
 
     def counting_advance_many(run, num_steps, *args, **kwargs):
         reserved[0] += num_steps
         return advance_many(run, num_steps, *args, **kwargs)
 
-    monkeypatch.setattr(DecodeRun, "advance_many", counting_advance_many)
+    monkeypatch.setattr(PagedDecodeRun, "advance_many", counting_advance_many)
     workload = load_trace(
         MOONCAKE_HEAD,
         vocab_size=SPEC.vocab_size,
@@ -184,16 +204,30 @@ def test_eos_ends_runs_when_not_ignored():
     assert_identical(workload, spec=spec, num_blocks=128)
 
 
-@settings(max_examples=20, deadline=None)
+# max_len slab regions of 256 positions: 16 blocks of 16 tokens, a few to an arena.
+SHORT_SPEC = dataclasses.replace(SPEC, max_position_embeddings=256)
+# The engines the property compares: paged, and slab with each reservation and placement.
+ENGINE_VARIANTS = [
+    ("paged", {}),
+    *(
+        ("slab", {"reserve": reserve, "placement": placement})
+        for reserve in ("request", "max_len")
+        for placement in ("first_fit", "best_fit")
+    ),
+]
+
+
+@settings(max_examples=30, deadline=None)
 @given(
     num_requests=st.integers(1, 8),
     prompt_high=st.integers(2, 120),
     output_high=st.integers(1, 80),
     rate_per_s=st.sampled_from([5.0, 50.0, 1000.0]),
-    num_blocks=st.integers(12, 80),
+    num_blocks=st.integers(16, 80),
     max_num_seqs=st.integers(1, 8),
     max_num_batched_tokens=st.sampled_from([16, 48, 512]),
     n=st.sampled_from([1, 1, 2]),
+    variant=st.sampled_from(ENGINE_VARIANTS),
     seed=st.integers(0, 1000),
 )
 def test_property_fast_forward_equals_stepping(
@@ -205,6 +239,7 @@ def test_property_fast_forward_equals_stepping(
     max_num_seqs,
     max_num_batched_tokens,
     n,
+    variant,
     seed,
 ):
     workload = random_requests(
@@ -217,11 +252,15 @@ def test_property_fast_forward_equals_stepping(
         n=n,
         temperature=1.0 if n > 1 else 0.0,
     )
+    engine, engine_params = variant
     assert_identical(
         workload,
+        spec=SHORT_SPEC,
+        engine_cls=CountingEngine if engine == "paged" else CountingSlabEngine,
         num_blocks=num_blocks,
         max_num_seqs=max(max_num_seqs, n),
         max_num_batched_tokens=max_num_batched_tokens,
+        **engine_params,
     )
 
 
@@ -320,3 +359,36 @@ def test_runs_cover_finishing_and_admitting_steps(ignore_eos):
     assert engine.covered_with["finished"] > 10, engine.covered_with
     assert engine.covered_with["first_scheduled"] > 10, engine.covered_with
     assert engine.covered_with["tokens"] > 10, engine.covered_with  # admitted groups' first tokens
+
+
+# --------------------------------------------------------------------------- the slab engine
+@pytest.mark.parametrize(
+    "reserve, placement, num_blocks",
+    [("request", "first_fit", 40), ("request", "best_fit", 40), ("max_len", "first_fit", 72)],
+)
+def test_slab_queueing_for_a_fragmented_arena(reserve, placement, num_blocks):
+    # Singles, parallel samples and beams queue for holes between regions (external
+    # fragmentation in every step's usage), and a full arena preempts by recompute.
+    requests = []
+    for i, extra in enumerate([{}, {"n": 2, "temperature": 1.0}, {"beam_width": 2}] * 6):
+        base = random_requests(
+            1, {"kind": "uniform", "low": 4, "high": 90}, {"kind": "uniform", "low": 5, "high": 60},
+            vocab_size=SPEC.vocab_size, seed=40 + i, **extra,
+        ).requests[0]  # fmt: skip
+        requests.append(dataclasses.replace(base, request_id=f"r{i}", arrival_s=0.004 * i))
+    workload = Workload("slab-mix", tuple(requests))
+    params = {"reserve": reserve, "placement": placement, "num_blocks": num_blocks, "max_num_seqs": 8}
+    slow, _ = run(workload, False, SHORT_SPEC, CountingSlabEngine, **params)
+    assert slow.steps["kv_external_frag_bytes"].max() > 0  # requests really wait for holes
+    assert (slow.requests["rejected_reason"] == "").all()  # every request fits the arena
+    # Beams are never fast-forwarded, samples only once forked: a modest share is covered.
+    assert_identical(workload, 0.1, SHORT_SPEC, CountingSlabEngine, **params)
+
+
+def test_slab_eos_ends_runs():
+    spec = dataclasses.replace(SPEC, vocab_size=12, eos_token_id=5)
+    workload = random_requests(8, 20, 200, vocab_size=12, seed=7)
+    workload = Workload(
+        workload.name, tuple(dataclasses.replace(r, ignore_eos=False) for r in workload.requests)
+    )
+    assert_identical(workload, spec=spec, engine_cls=CountingSlabEngine, reserve="request", num_blocks=128)

@@ -624,3 +624,103 @@ def queueing_mix() -> Workload:
         prompt = tuple(rng.randrange(3, 64) for _ in range(rng.randint(1, 60)))
         requests.append(Request(f"r{i}", rng.uniform(0, 0.05), prompt, rng.randint(1, 30), **extra))
     return Workload("mix", tuple(requests))
+
+
+# --------------------------------------------------------------------------- decode runs
+def _run_state(kv: SlabKVManager, seq_ids: list[int]) -> tuple:
+    return [kv.num_tokens(s) for s in seq_ids], kv.usage_counts(), kv.usage()
+
+
+def _decode_pair(reservation) -> tuple[SlabKVManager, SlabKVManager, list[int]]:
+    """Two identical managers with three live sequences: one well short of its will-use,
+    one at it, one past it (max_len regions leave room beyond prompt + max_new), a
+    waiting request too big for the holes (external fragmentation)."""
+    pair = []
+    for _ in range(2):
+        kv, directory = manager(64, 4, reservation=reservation)
+        seqs = [start(kv, directory, req(f"r{i}", prompt, 3)) for i, prompt in enumerate((5, 9, 2))]
+        kv.append(seqs[1], 2)  # 11 slots: prompt + max_new - 1, its will-use
+        if isinstance(reservation, MaxLenReservation):
+            kv.append(seqs[2], 6)  # 8 slots, past its will-use of 4
+        directory.new(req("w", 240, 10))  # 63 blocks: more than the free 57
+        pair.append((kv, seqs))
+    (kv, seqs), (stepped, _) = pair
+    return kv, stepped, seqs
+
+
+@pytest.mark.parametrize("reservation", [RequestReservation(), MaxLenReservation(24)])
+def test_decode_run_advance_equals_appending_one_slot_per_sequence(reservation):
+    kv, stepped, seqs = _decode_pair(reservation)
+    run = kv.try_decode_run(seqs)
+    assert run is not None and kv.can_decode_together(seqs)
+    num_steps = 0
+    while run.can_advance():
+        run.advance()
+        for seq_id in seqs:
+            assert stepped.can_append(seq_id, 1)
+            stepped.append(seq_id, 1)
+        kv.check()
+        assert _run_state(kv, seqs) == _run_state(stepped, seqs)
+        assert kv.usage_of(*kv.usage_counts()) == stepped.usage()
+        num_steps += 1
+    # The fullest region decides: the request region of 3 blocks of 4 slots holding 11
+    # (its last step passes its will-use); max_len regions of 24 slots, the one at 11 first.
+    assert num_steps == (1 if isinstance(reservation, RequestReservation) else 13)
+    assert not all(stepped.can_append(seq_id, 1) for seq_id in seqs)
+    before = _run_state(kv, seqs)
+    with pytest.raises(KVCapacityError):
+        run.advance()
+    assert _run_state(kv, seqs) == before
+    assert run.num_quiet_steps((), 10) == 0
+
+
+@pytest.mark.parametrize("reservation", [RequestReservation(), MaxLenReservation(24)])
+def test_decode_run_advance_many_reports_each_steps_usage(reservation):
+    kv, stepped, seqs = _decode_pair(reservation)
+    run = kv.decode_run(seqs)
+    num_steps = run.num_quiet_steps((), 100)
+    assert num_steps == run.num_quiet_steps(range(64), 100)  # a slab step takes no block
+    reported = run.advance_many(num_steps)
+    expected = []
+    for _ in range(num_steps):
+        for seq_id in seqs:
+            stepped.append(seq_id, 1)
+        expected.append((*stepped.usage_counts(), 0))
+    assert reported == expected
+    assert _run_state(kv, seqs) == _run_state(stepped, seqs)
+    kv.check()
+    columns = kv.usage_columns([counts[:-1] for counts in reported])
+    assert columns["kv.reserved_unused_bytes"][-1] == stepped.usage().reserved_unused_bytes
+    assert columns["kv.external_frag_bytes"][-1] == stepped.usage().external_frag_bytes > 0
+    with pytest.raises(KVCapacityError):
+        run.advance_many(1)
+
+
+def test_decode_run_checks_commits_per_step_and_refuses_whole():
+    kv, _, seqs = _decode_pair(MaxLenReservation(24))
+    run = kv.decode_run(seqs)
+    tokens = list(range(3, 40))
+    # Step 0 writes slot 6 of seq 0 (5 prompt slots + 1): 6 tokens commit, 7 do not.
+    run.advance_many(2, [[(seqs[0], tokens[:6])], [(seqs[0], tokens[:7])]])
+    before = _run_state(kv, seqs)
+    with pytest.raises(ValueError, match="commits 10 tokens but has 8 slots"):
+        run.advance_many(1, [[(seqs[0], tokens[:10])]])
+    assert _run_state(kv, seqs) == before
+    # 9 tokens after the first of two steps: 9 slots only once both are taken.
+    with pytest.raises(ValueError, match="commits 9 tokens but has 8 slots"):
+        run.advance_many(2, [[(seqs[0], tokens[:9])], []])
+    assert _run_state(kv, seqs) == before
+    kv.check()
+
+
+def test_no_decode_run_while_fork_copies_are_pending():
+    kv, directory = manager(64, 4)
+    parent = directory.new(req("n", 6, 4, n=2, temperature=1.0))
+    kv.allocate(parent, tuple(range(3, 9)), 6, None)
+    directory.admit(parent)
+    kv.fork(parent, parent + 1)
+    assert kv.try_decode_run([parent, parent + 1]) is None
+    with pytest.raises(ValueError, match="fork copies pending"):
+        kv.decode_run([parent, parent + 1])
+    assert kv.append(parent, 1).copies  # the copies go out with the next act call
+    assert kv.try_decode_run([parent, parent + 1]) is not None

@@ -300,7 +300,7 @@ class PagedKVManager(SeqTable):
         a partial last block (the second to write would copy it). Pure."""
         return self.try_decode_run(seq_ids) is not None
 
-    def try_decode_run(self, seq_ids: Sequence[int]) -> DecodeRun | None:
+    def try_decode_run(self, seq_ids: Sequence[int]) -> PagedDecodeRun | None:
         """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False: one pass
         over the sequences for both (the fast path asks once per run). Mutates nothing."""
         # One comprehension per column (the batch is read once per decode run).
@@ -316,7 +316,7 @@ class PagedKVManager(SeqTable):
             self.pool.state, self._claimed, num_slots, last_blocks, self.block_size
         ):
             return None  # a copy-on-write ahead
-        return DecodeRun(self, seqs, num_slots % self.block_size, last_blocks)
+        return PagedDecodeRun(self, seqs, num_slots % self.block_size, last_blocks)
 
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
@@ -326,8 +326,8 @@ class PagedKVManager(SeqTable):
         decode; None when anything might. Pure apart from the index's match memo."""
         return self.prefix_index.match_watch(token_ids, extra_key, seq_ids)
 
-    def decode_run(self, seq_ids: Sequence[int]) -> DecodeRun:
-        """Start growing ``seq_ids`` by one slot per step (see ``DecodeRun``). Mutates
+    def decode_run(self, seq_ids: Sequence[int]) -> PagedDecodeRun:
+        """Start growing ``seq_ids`` by one slot per step (see ``PagedDecodeRun``). Mutates
         nothing yet. ValueError when ``can_decode_together`` is False."""
         run = self.try_decode_run(seq_ids)
         if run is None:
@@ -484,20 +484,22 @@ class PagedKVManager(SeqTable):
         """Memory now, in bytes of the device pool (cached = held only by the prefix cache)."""
         return self.usage_of(*self.usage_counts())
 
-    def usage_counts(self) -> tuple[int, int, int]:
+    def usage_counts(self) -> tuple[int, ...]:
         """(blocks in use, claimed token slots, free blocks holding no cached KV) now: the
         counts ``usage`` derives its variable figures from. Pure."""
         return self._num_blocks_in_use, self._num_token_slots, self.pool.num_free - self.pool.num_cached_free
 
-    def usage_columns(self, counts: Sequence[tuple[int, int, int]]) -> dict[str, list[int]]:
+    def usage_columns(self, counts: Sequence[tuple[int, ...]]) -> dict[str, list[int]]:
         """The KVUsage fields that ``usage_counts`` determine, one value per entry of
         ``counts`` (several steps at once), keyed ``kv.<field>``. Pure."""
         in_use, token_slots, free = (np.array(column, dtype=np.int64) for column in zip(*counts))
         fields = self._count_fields(in_use, token_slots, free)
         return {f"kv.{name}": values.tolist() for name, values in fields.items()}
 
-    def usage_of(self, in_use: int, token_slots: int, free: int) -> KVUsage:
-        """KVUsage for these ``usage_counts`` and the host pool now. Pure."""
+    def usage_of(self, *counts: int) -> KVUsage:
+        """KVUsage for these ``usage_counts`` (blocks in use, claimed token slots, free
+        uncached blocks) and the host pool now. Pure."""
+        in_use, token_slots, free = counts
         per_block = self.bytes_per_block
         return KVUsage(
             capacity_bytes=self.num_blocks * per_block,
@@ -705,7 +707,7 @@ class PagedKVManager(SeqTable):
         return [i for i, b in enumerate(seq.block_ids) if self.pool.ref_count(b) == 1]
 
 
-class DecodeRun:
+class PagedDecodeRun:
     """Sequences that each grow by one KV slot per step: a simulated decode run's KV side.
 
     Built by ``PagedKVManager.decode_run`` once its preconditions hold (no copy-on-write
@@ -738,14 +740,19 @@ class DecodeRun:
         ``num_allocatable_blocks``; check first). Pure."""
         return self._at_boundary[-self._num_steps % self._kv.block_size]
 
+    def can_advance(self) -> bool:
+        """Whether the pool can give the next ``advance`` its ``num_new_blocks`` (free or
+        evictable). Pure."""
+        return self.num_new_blocks() <= self._kv.num_allocatable_blocks
+
     def advance(self) -> None:
         """Reserve the next slot of every sequence, in order. Mutates the manager (claims,
         block tables, the pool, which may evict cached blocks). Raises KVCapacityError,
-        changing nothing, when ``num_new_blocks`` exceeds what is allocatable."""
+        changing nothing, when ``can_advance`` is False."""
         kv = self._kv
         bs = kv.block_size
-        if self.num_new_blocks() > kv.num_allocatable_blocks:
-            raise KVCapacityError("decode run: no block left for the next slot (check num_new_blocks)")
+        if not self.can_advance():
+            raise KVCapacityError("decode run: no block left for the next slot (check can_advance)")
         offsets = (self._residues + self._num_steps) % bs  # the slot each writes in its last block
         in_place = offsets != 0
         # In place (the precondition): distinct blocks, so one vectorised write; a sole
@@ -806,7 +813,7 @@ class DecodeRun:
 
     def advance_many(
         self, num_steps: int, commits: Sequence[Sequence[tuple[int, Sequence[int]]]] = ()
-    ) -> list[tuple[int, int, int, int]]:
+    ) -> list[tuple[int, ...]]:
         """``advance`` ``num_steps`` times: the same blocks (taken step by step in sequence
         order), claims, counters and reuse-listener drops. ``commits[t]`` (empty: none)
         are step ``t``'s commits (``commit_many`` entries), made once the step's blocks are

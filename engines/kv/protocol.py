@@ -5,7 +5,7 @@ sharing, copy-on-write, swap), ``BoundedKVManager`` (``kv/bounded.py``: block co
 stop growing at an eviction budget) and ``SlabKVManager`` (``kv/slab.py``: one contiguous
 region per sequence). The scheduler (``engines/sched``) talks to a manager only through
 ``KVManager``; the simulation fast path (``engines/sim``) additionally needs
-``DecodeRunKV``, which only the paged manager offers.
+``DecodeRunKV`` and its ``DecodeRun``, which the paged and slab managers offer.
 
 Paired calls: a check call (``can_allocate``, ``can_append``, ``can_swap_out``,
 ``can_swap_in``) is pure and returns False when memory is short; the act call then
@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Protocol
 from kvbench.types import KVUsage, Request
 
 if TYPE_CHECKING:
-    from kvbench.engines.kv.paged import DecodeRun
     from kvbench.engines.sched.sequence import SequenceGroup
 
 
@@ -42,6 +41,12 @@ class KVOps:
 
 
 NO_OPS = KVOps()
+
+
+# ``KVManager.commit_interval`` of a manager whose commits register nothing (no prefix
+# cache): no written length reaches a multiple of it, so the scheduler skips every
+# one-token commit (a commit there would only check its count).
+COMMITS_REGISTER_NOTHING = 1 << 62
 
 
 class KVCapacityError(RuntimeError):
@@ -62,7 +67,8 @@ class KVManager(Protocol):
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
     # A ``commit`` after a one-token (decode) step registers something only when the
-    # written length is a multiple of this; the scheduler skips the others (1: never skip).
+    # written length is a multiple of this; the scheduler skips the others (1: never skip;
+    # COMMITS_REGISTER_NOTHING: skip every one).
     commit_interval: int
 
     @property
@@ -175,14 +181,42 @@ class KVManager(Protocol):
         ...
 
 
+class DecodeRun(Protocol):
+    """The KV side of a simulated decode run: sequences that each grow by one slot per
+    step, and nothing else touching them (``DecodeRunKV.decode_run`` builds one; using
+    the sequences any other way voids it). Each step leaves exactly the state of
+    ``append(seq_id, 1)`` for every sequence in order. Counts are ``DecodeRunKV.usage_counts``
+    tuples."""
+
+    def can_advance(self) -> bool:
+        """Whether the next ``advance`` fits: the manager has every slot it needs without
+        preempting anything (``can_append(seq_id, 1)`` for each sequence in order). Pure."""
+        ...
+
+    def advance(self) -> None:
+        """Reserve the next slot of every sequence. Mutates the manager. Raises
+        KVCapacityError, changing nothing, when ``can_advance`` is False."""
+        ...
+
+    def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
+        """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
+        once without taking a block in ``watch``. Pure."""
+        ...
+
+    def advance_many(
+        self, num_steps: int, commits: Sequence[Sequence[tuple[int, Sequence[int]]]] = ()
+    ) -> list[tuple[int, ...]]:
+        """``advance`` ``num_steps`` times (at most ``num_quiet_steps``), making step ``t``'s
+        commits (``commit_many`` entries, ``commits[t]``) right after its slots are
+        reserved. Returns per step the manager's ``usage_counts`` after it followed by the
+        cached blocks it reused (``(*counts, num_evicted)``). Mutates the manager; raises KVCapacityError, changing nothing,
+        when the steps do not fit."""
+        ...
+
+
 class DecodeRunKV(KVManager, Protocol):
     """What the simulation fast path (``engines/sim/fast_forward.py``) needs on top of
     ``KVManager``: taking many plain decode steps without planning each one."""
-
-    @property
-    def num_allocatable_blocks(self) -> int:
-        """Blocks ``append``/``allocate`` may still take (free + evictable). Pure."""
-        ...
 
     def can_decode_together(self, seq_ids: Sequence[int]) -> bool:
         """Whether ``decode_run(seq_ids)`` may start. Pure."""
@@ -205,16 +239,18 @@ class DecodeRunKV(KVManager, Protocol):
         extra_key)`` finds while only ``seq_ids`` decode; None when anything might."""
         ...
 
-    def usage_counts(self) -> tuple[int, int, int]:
-        """(blocks in use, claimed token slots, free uncached blocks) now: the figures of
-        ``usage`` that change from step to step. Pure."""
+    def usage_counts(self) -> tuple[int, ...]:
+        """Counts now (a fixed number of them, the manager's choice) that determine every
+        figure of ``usage`` that may differ between the steps of a decode run: the paged
+        manager's are blocks in use, claimed token slots and free uncached blocks; the
+        slab's reserved blocks, token slots, will-use slots and unusable free blocks. Pure."""
         ...
 
-    def usage_of(self, num_blocks_in_use: int, num_token_slots: int, num_blocks_free: int) -> KVUsage:
-        """``usage`` as it was when ``usage_counts`` returned these counts. Pure."""
+    def usage_of(self, *counts: int) -> KVUsage:
+        """``usage`` as it was when ``usage_counts`` returned ``counts``. Pure."""
         ...
 
-    def usage_columns(self, counts: Sequence[tuple[int, int, int]]) -> dict[str, list[int]]:
+    def usage_columns(self, counts: Sequence[tuple[int, ...]]) -> dict[str, list[int]]:
         """The ``KVUsage`` fields these ``usage_counts`` determine, one value per entry
         (several steps at once), keyed ``kv.<field>``. Pure."""
         ...

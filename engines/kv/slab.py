@@ -54,11 +54,13 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Container, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvbench.engines.kv.paged import SeqTable, check_sizes
-from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.kv.protocol import COMMITS_REGISTER_NOTHING, NO_OPS, KVCapacityError, KVOps
 from kvbench.engines.sched.sequence import num_samples
 from kvbench.types import KVUsage, Request
 
@@ -341,7 +343,7 @@ class SlabKVManager(SeqTable):
         check_sizes("SlabKVManager", num_blocks, block_size, bytes_per_token)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.commit_interval = 1  # commits register nothing here; never skipped
+        self.commit_interval = COMMITS_REGISTER_NOTHING  # no prefix cache: decode commits are skipped
         self.bytes_per_token = bytes_per_token
         self.reservation = reservation
         self.placement = placement or FirstFit()
@@ -592,26 +594,81 @@ class SlabKVManager(SeqTable):
     def swap_in(self, seq_id: int) -> KVOps:
         raise ValueError(f"swap_in: seq {seq_id} is not swapped out (the slab never swaps)")
 
+    # ------------------------------------------------------------------ decode runs (simulation)
+    def can_decode_together(self, seq_ids: Sequence[int]) -> bool:
+        """Whether ``decode_run(seq_ids)`` may start: no fork copy is pending (an
+        ``append`` would hand it out). KeyError for an unknown sequence. Pure."""
+        return self.try_decode_run(seq_ids) is not None
+
+    def try_decode_run(self, seq_ids: Sequence[int]) -> SlabDecodeRun | None:
+        """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False. Mutates nothing."""
+        seqs = [self._seq(seq_id) for seq_id in seq_ids]
+        if self._pending_copies:
+            return None
+        return SlabDecodeRun(self, seqs)
+
+    def decode_run(self, seq_ids: Sequence[int]) -> SlabDecodeRun:
+        """Start growing ``seq_ids`` by one slot per step inside their regions (see
+        ``SlabDecodeRun``). Mutates nothing yet. ValueError when ``can_decode_together``
+        is False."""
+        run = self.try_decode_run(seq_ids)
+        if run is None:
+            raise ValueError(f"decode_run: seqs {list(seq_ids)} cannot decode together (fork copies pending)")
+        return run
+
+    def match_watch(
+        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
+    ) -> Container[int]:
+        """No block: nothing is ever cached, so no step of a decode run changes what
+        ``num_cached_tokens`` finds (always 0). Pure."""
+        return ()
+
     # ------------------------------------------------------------------ usage / check
     def usage(self) -> KVUsage:
         """Memory now, split into token state and the three kinds of waste (module doc).
 
         O(log num_blocks): running totals and the waiting-region multiset. Mutates nothing."""
-        bpt = self.bytes_per_token
-        allocated = self._num_reserved_blocks * self.bytes_per_block
-        token_bytes = self._num_token_slots * bpt
-        reserved_unused = (self._num_will_use_slots - self._num_token_slots) * bpt
+        return self.usage_of(*self.usage_counts())
+
+    def usage_counts(self) -> tuple[int, ...]:
+        """(reserved blocks, token slots, will-use slots, unusable free blocks) now: what
+        ``usage`` derives its variable figures from (module doc). O(log num_blocks), pure."""
+        return (
+            self._num_reserved_blocks,
+            self._num_token_slots,
+            self._num_will_use_slots,
+            self.num_unusable_free_blocks(),
+        )
+
+    def usage_of(self, *counts: int) -> KVUsage:
+        """KVUsage for these ``usage_counts``. Pure."""
         return KVUsage(
             capacity_bytes=self.num_blocks * self.bytes_per_block,
-            allocated_bytes=allocated,
-            token_bytes=token_bytes,
-            reserved_unused_bytes=reserved_unused,
-            internal_frag_bytes=allocated - token_bytes - reserved_unused,
-            external_frag_bytes=self.num_unusable_free_blocks() * self.bytes_per_block,
             num_blocks_total=self.num_blocks,
-            num_blocks_in_use=self._num_reserved_blocks,
-            num_blocks_free=self.num_blocks - self._num_reserved_blocks,
+            **self._count_fields(*counts),
         )
+
+    def usage_columns(self, counts: Sequence[tuple[int, ...]]) -> dict[str, list[int]]:
+        """The KVUsage fields that ``usage_counts`` determine, one value per entry of
+        ``counts`` (several steps at once), keyed ``kv.<field>``. Pure."""
+        columns = (np.array(column, dtype=np.int64) for column in zip(*counts))
+        return {f"kv.{name}": values.tolist() for name, values in self._count_fields(*columns).items()}
+
+    def _count_fields(self, reserved: Any, token_slots: Any, will_use: Any, unusable: Any) -> dict[str, Any]:
+        """KVUsage's count-dependent fields: ints, or int64 arrays (one per step). Pure."""
+        bpt = self.bytes_per_token
+        allocated = reserved * self.bytes_per_block
+        token_bytes = token_slots * bpt
+        reserved_unused = (will_use - token_slots) * bpt
+        return {
+            "allocated_bytes": allocated,
+            "token_bytes": token_bytes,
+            "reserved_unused_bytes": reserved_unused,
+            "internal_frag_bytes": allocated - token_bytes - reserved_unused,
+            "external_frag_bytes": unusable * self.bytes_per_block,
+            "num_blocks_in_use": reserved,
+            "num_blocks_free": self.num_blocks - reserved,
+        }
 
     def smallest_waiting_region(self) -> int | None:
         """Blocks of the smallest region any waiting request needs; None when none waits.
@@ -754,3 +811,94 @@ class SlabKVManager(SeqTable):
                 f"SlabKVManager: seq {seq_id} is not in a waiting group (the scheduler reports "
                 "waiting groups through waiting_entered before allocating them)"
             ) from None
+
+
+class SlabDecodeRun:
+    """Sequences that each grow by one slot per step inside their reserved regions: a
+    simulated decode run's KV side over the slab (``SlabKVManager.decode_run``).
+
+    A slab step takes no block (regions are reserved at admission), so a step fits while
+    every region has a free slot, and the steps change only the slot totals: token slots
+    grow by one per sequence, will-use slots by one per sequence already past its
+    ``will_use``. ``advance`` leaves exactly the state of ``append(seq, 1)`` for each
+    sequence in order; using these sequences any other way (append, free, fork) while the
+    run is in use voids it.
+    """
+
+    __slots__ = ("_kv", "_seqs", "_num_steps_left", "_past_will_use")
+
+    def __init__(self, kv: SlabKVManager, seqs: list[_SlabSeq]) -> None:
+        self._kv = kv
+        self._seqs = seqs
+        bs = kv.block_size
+        # Steps until the first region is full (the run cannot take that one).
+        self._num_steps_left = min(
+            [seq.group.region_num_blocks * bs - seq.num_tokens for seq in seqs], default=0
+        )
+        # Slots each sequence holds beyond the slots it will use (negative: not yet there).
+        self._past_will_use = np.array([seq.num_tokens - seq.group.will_use for seq in seqs], dtype=np.int64)
+
+    def can_advance(self) -> bool:
+        """Whether every region has room for one more slot. Pure."""
+        return self._num_steps_left > 0
+
+    def advance(self) -> None:
+        """Reserve the next slot of every sequence. Mutates the slot counts and totals.
+        Raises KVCapacityError, changing nothing, when ``can_advance`` is False."""
+        self.advance_many(1)
+
+    def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
+        """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
+        once: until the first region is full. ``watch`` plays no part (a slab step takes
+        no block). Pure."""
+        return max(0, min(max_steps, self._num_steps_left))
+
+    def advance_many(
+        self, num_steps: int, commits: Sequence[Sequence[tuple[int, Sequence[int]]]] = ()
+    ) -> list[tuple[int, ...]]:
+        """``advance`` ``num_steps`` times, checking step ``t``'s commits (``commits[t]``)
+        once its slots are reserved (slab commits register nothing). Returns, per step,
+        the manager's ``usage_counts`` after it and 0 evictions. Mutates the slot counts and
+        totals; raises KVCapacityError when a region would overflow and ValueError from a
+        commit of more tokens than slots, both changing nothing."""
+        if num_steps > self._num_steps_left:
+            raise KVCapacityError(
+                f"decode run: {num_steps} steps, the fullest region has room for {self._num_steps_left}"
+            )
+        kv = self._kv
+        num_seqs = len(self._seqs)
+        reserved, token_slots, will_use, unusable = kv.usage_counts()
+        past = self._past_will_use
+        if int(past.max(initial=-1)) + num_steps > 0:
+            # Some sequence passes its will_use in these steps: its slots beyond it count.
+            after = past[:, None] + np.arange(1, num_steps + 1, dtype=np.int64)  # [seq, step]
+            extra = (np.maximum(after, 0) - np.maximum(past, 0)[:, None]).sum(axis=0).tolist()
+        else:
+            extra = [0] * num_steps
+        counts = [
+            (reserved, token_slots + (t + 1) * num_seqs, will_use + extra[t], unusable, 0)
+            for t in range(num_steps)
+        ]
+        seqs = self._seqs
+        if any(commits):
+            # Step by step: each commit is checked against its step's slot counts.
+            num_taken = 0
+            try:
+                for t in range(num_steps):
+                    for seq in seqs:
+                        seq.num_tokens += 1
+                    num_taken += 1
+                    if t < len(commits) and commits[t]:
+                        kv.commit_many(commits[t])
+            except ValueError:
+                for seq in seqs:
+                    seq.num_tokens -= num_taken
+                raise
+        else:
+            for seq in seqs:
+                seq.num_tokens += num_steps
+        kv._num_token_slots += num_steps * num_seqs
+        kv._num_will_use_slots += extra[-1] if num_steps else 0
+        self._past_will_use = past + num_steps
+        self._num_steps_left -= num_steps
+        return counts

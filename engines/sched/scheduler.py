@@ -50,8 +50,7 @@ from kvbench.sim.cost_model import StepShape
 from kvbench.types import FinishedRequest, RejectedRequest, Request
 
 if TYPE_CHECKING:
-    from kvbench.engines.kv.paged import DecodeRun
-    from kvbench.engines.kv.protocol import KVManager, KVOps
+    from kvbench.engines.kv.protocol import DecodeRun, KVManager, KVOps
 
 PREEMPTION_MODES = ("recompute", "swap")
 # When a prefill chunk's KV becomes visible to prefix matches: once the step that writes it
@@ -429,7 +428,7 @@ class Scheduler:
     # ------------------------------------------------------------------ decode runs (simulation)
     # A decode run takes consecutive plain decode steps without planning chunks: the
     # engine asks for the batch (``decode_batch``) and the KV manager's ``DecodeRun`` for
-    # it; per step it checks the pool (``DecodeRun.num_new_blocks``), reserves the slots
+    # it; per step it checks the slots fit (``DecodeRun.can_advance``), reserves them
     # (``append_decodes``) and, after choosing tokens, completes it (``complete_decodes``);
     # ``finish_decodes`` ends the run. Each step leaves exactly the state ``schedule`` +
     # ``complete_step`` + ``append_token`` would have. Steps that cannot admit the head
@@ -443,7 +442,7 @@ class Scheduler:
         None when rejections are pending, a group is swapped, a beam group runs (beams
         are ranked jointly), a prompt is not fully computed, a sample group has not
         forked yet, or the batch exceeds the token budget. The KV side (no copy-on-write
-        ahead) is the caller's to check: ``PagedKVManager.try_decode_run`` answers it
+        ahead) is the caller's to check: the manager's ``try_decode_run`` answers it
         while building the run. Whether a waiting group would be admitted is checked per
         step by ``append_decodes``.
         """
@@ -476,7 +475,7 @@ class Scheduler:
         """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``)
         through ``run`` (the KV manager's run over the same sequences, in order).
 
-        Call only when ``run.num_new_blocks()`` is at most ``kv.num_allocatable_blocks``.
+        Call only when ``run.can_advance()``.
         Returns True when the step is a plain decode step (no waiting group could start in
         it); otherwise plans the rest of the step as ``schedule`` would, keeps that plan for
         the next ``schedule`` call and returns False. Mutates the KV manager (appends) and,

@@ -1,16 +1,17 @@
 """The simulation fast path: one engine ``step`` covering a run of plain decode steps.
 
 This is the boundary between the engine and the fast path. ``PagedEngine`` builds a
-``FastForward`` in simulation mode (cost-model executor, plain ``PagedKVManager``) and
-calls ``run`` when the runner has told it when the next request arrives. Everything the
+``FastForward`` in simulation mode (cost-model executor, a manager offering decode runs:
+the plain ``PagedKVManager`` or the slab's ``SlabKVManager``) and calls ``run`` when the runner has told it when the next request arrives. Everything the
 run does goes through declared calls:
 
 - the scheduler's decode-run interface (``Scheduler.decode_batch``, ``append_decodes``,
   ``admit_after_decodes`` / ``complete_step`` (a run's first step that admits),
   ``quiet_decode_steps``, ``complete_decodes`` / ``complete_decodes_many`` /
   ``finish_decodes``),
-- the KV manager's ``DecodeRunKV`` contract (``engines/kv/protocol.py``) and its
-  ``DecodeRun`` (``engines/kv/paged.py``),
+- the KV manager's ``DecodeRunKV`` contract and its ``DecodeRun``
+  (``engines/kv/protocol.py``; ``PagedDecodeRun`` in ``kv/paged.py``, ``SlabDecodeRun``
+  in ``kv/slab.py``),
 - the cost model's ``decode_run_s`` and ``CostModelExecutor.record_steps``,
 - the engine's ``step_stats`` (passed in as ``stats``).
 
@@ -84,14 +85,12 @@ class RunLog:
         # group is left to the next normal step, which pops it from the queue).
         self.queues = queues
         self.durations_s: list[float] = []
-        self.counts: list[tuple[int, int, int]] = []  # the KV manager's usage_counts after each step
+        self.counts: list[tuple[int, ...]] = []  # the KV manager's usage_counts after each step
         self.evicted: list[int] = []  # cached blocks each step reused
         # The steps' tokens: int64 [seq] columns (one step) and [seq, step] blocks, in order.
         self.token_blocks: list[np.ndarray] = []
 
-    def add(
-        self, step_tokens: np.ndarray, duration_s: float, counts: tuple[int, int, int], evicted: int
-    ) -> None:
+    def add(self, step_tokens: np.ndarray, duration_s: float, counts: tuple[int, ...], evicted: int) -> None:
         """Record one step: a token per sequence (int64 [seq]), its time, KV counts and evictions."""
         self.durations_s.append(duration_s)
         self.counts.append(counts)
@@ -99,13 +98,13 @@ class RunLog:
         self.token_blocks.append(step_tokens[:, None])
 
     def add_many(
-        self, token_block: np.ndarray, durations_s: list[float], reserved: list[tuple[int, int, int, int]]
+        self, token_block: np.ndarray, durations_s: list[float], reserved: list[tuple[int, ...]]
     ) -> None:
         """Record steps taken together: tokens int64 [seq, step] and ``DecodeRun.advance_many``'s
         per-step counts."""
         self.durations_s.extend(durations_s)
-        for in_use, token_slots, free, evicted in reserved:
-            self.counts.append((in_use, token_slots, free))
+        for *counts, evicted in reserved:
+            self.counts.append(tuple(counts))
             self.evicted.append(evicted)
         self.token_blocks.append(token_block)
 
@@ -264,7 +263,7 @@ class FastForward:
                     offset += num
                     start_s = end_s
                     continue
-                if run.num_new_blocks() > kv.num_allocatable_blocks:
+                if not run.can_advance():
                     ended = True  # a preemption: a normal step
                     break
                 counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
