@@ -565,7 +565,8 @@ def _bench_value(figure: BenchFigure, info: Mapping[str, Any], key: str) -> floa
 
 def render_bench_table(benchmarks: Mapping[str, Mapping[str, Any]]) -> Table:
     """The ``sim_speed`` table from ``load_benchmarks``' result: one row per BENCH_FIGURES
-    entry, the probe (median over the rows' benchmarks) below. Raises FiguresError naming
+    entry with its benchmark's Python probe, the rest of the probe (median over the rows'
+    benchmarks) below. Raises FiguresError naming
     the benchmark and key that is missing or that ran with other settings than the label's."""
     rows = []
     used: dict[str, Mapping[str, Any]] = {}  # each benchmark's probe counts once

@@ -143,7 +143,7 @@ def test_a_radix_index_commits_one_entry_at_a_time():
     seed=st.integers(0, 2**16),
 )
 def test_decode_steps_in_one_pass_equal_stepping_with_commits(prompts, warm, spans, num_blocks, seed):
-    """``DecodeRun.advance_many`` with the steps' commits (the prefix index's compiled pass,
+    """``PagedDecodeRun.advance_many`` with the steps' commits (the prefix index's compiled pass,
     ``allocate_decode_steps``, in spans; spans it declines one step at a time) against
     ``advance`` then ``commit_many`` step by step: the same blocks, registrations, drops,
     keys and per-step counts. Two-letter ids make sequences write equal blocks, and the

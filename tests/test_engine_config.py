@@ -18,9 +18,9 @@ from kvbench.engines.bounded import BoundedCacheEngine
 from kvbench.engines.config import DEFAULTS, EngineConfig, size_pool
 from kvbench.engines.h2o import H2OEngine, StreamingEngine
 from kvbench.engines.kv.bounded import BoundedKVManager
-from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.kv.protocol import DecodeRunKV, KVManager
-from kvbench.engines.kv.slab import SlabKVManager
+from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
+from kvbench.engines.kv.protocol import DecodeRun, DecodeRunKV, KVManager
+from kvbench.engines.kv.slab import SlabDecodeRun, SlabKVManager
 from kvbench.engines.offload import OffloadEngine
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.slab import SlabEngine
@@ -131,3 +131,8 @@ def test_the_paged_and_slab_managers_offer_decode_runs():
         for name in members:
             assert callable(getattr(manager, name, None)), (manager.__name__, name)
     assert not hasattr(BoundedKVManager, "decode_run")
+    run_members = [name for name in vars(DecodeRun) if not name.startswith("_")]
+    assert {"can_advance", "advance", "num_quiet_steps", "advance_many"} <= set(run_members)
+    for run in (PagedDecodeRun, SlabDecodeRun):
+        for name in run_members:
+            assert callable(getattr(run, name, None)), (run.__name__, name)

@@ -422,7 +422,7 @@ def _decode_state(m: PagedKVManager, seq_ids) -> tuple:
 
 @pytest.mark.parametrize("index_name", ["hash", "radix", "none"])
 def test_decode_run_equals_appending_one_slot_per_sequence_in_order(index_name):
-    """A DecodeRun step leaves the state of append(seq, 1) for each sequence in order:
+    """A PagedDecodeRun step leaves the state of append(seq, 1) for each sequence in order:
     block ids, claims, the free list and prefix-cache evictions included."""
     indexes = {"hash": BlockHashPrefixIndex, "radix": RadixPrefixIndex, "none": NullPrefixIndex}
 

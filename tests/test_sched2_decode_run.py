@@ -1,7 +1,7 @@
 """The decode run's vectorised KV side against the plain per-sequence path.
 
 ``PagedKVManager.try_decode_run`` decides in one pass whether a batch may decode together
-(no copy-on-write ahead) and ``DecodeRun.advance`` writes a step's in-place claims in one
+(no copy-on-write ahead) and ``PagedDecodeRun.advance`` writes a step's in-place claims in one
 vectorised assignment. Both are compared here with appending one slot per sequence in
 order (``append``), on random managers with fork siblings, stale claims, cached blocks
 and every prefix index.

@@ -75,7 +75,7 @@ class BoundedKVManager(SeqTable):
         policy.validate()
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.commit_interval = 1  # commits register nothing here; never skipped
+        self.commit_interval = 1  # commits register nothing but act (the prefill shrink): never skipped
         self.bytes_per_token = bytes_per_token
         self.num_host_blocks = num_host_blocks
         self.policy = policy

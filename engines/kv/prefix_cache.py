@@ -78,7 +78,7 @@ class PrefixIndex(Protocol):
         """Whether the index takes pool references itself (``commit`` and ``evict`` move
         them; radix locks). False when its cache lives in the pool's free list, so that
         commits never touch references or the free list: a simulated decode run may then
-        reserve several steps' blocks before committing them (``DecodeRun.advance_many``)."""
+        reserve several steps' blocks before committing them (``PagedDecodeRun.advance_many``)."""
         ...
 
     def bind(self, pool: BlockPool, block_size: int) -> None:
@@ -135,7 +135,7 @@ class PrefixIndex(Protocol):
     def allocate_decode_steps(
         self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
     ) -> tuple[np.ndarray, np.ndarray] | None:
-        """A simulated decode run's steps (``DecodeRun.advance_many``), for an index that
+        """A simulated decode run's steps (``PagedDecodeRun.advance_many``), for an index that
         holds no blocks: per step ``t``, take ``needs[t]`` blocks (int64 [steps]) from the
         pool's free-list head, then ``commit_many(commits[t])``, whose entries' blocks
         were all in their tables before this call. Returns ``BlockPool.allocate_steps``'

@@ -45,7 +45,8 @@ NO_OPS = KVOps()
 
 # ``KVManager.commit_interval`` of a manager whose commits register nothing (no prefix
 # cache): no written length reaches a multiple of it, so the scheduler skips every
-# one-token commit (a commit there would only check its count).
+# one-token commit (a commit there would only check its count). 2^62, not 2^63: the
+# scheduler takes int64 lengths modulo it (``-lengths % interval`` must fit int64).
 COMMITS_REGISTER_NOTHING = 1 << 62
 
 

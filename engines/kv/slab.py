@@ -845,7 +845,17 @@ class SlabDecodeRun:
     def advance(self) -> None:
         """Reserve the next slot of every sequence. Mutates the slot counts and totals.
         Raises KVCapacityError, changing nothing, when ``can_advance`` is False."""
-        self.advance_many(1)
+        if not self.can_advance():
+            raise KVCapacityError("decode run: a region is full (check can_advance)")
+        for seq in self._seqs:
+            seq.num_tokens += 1
+        past = self._past_will_use
+        kv = self._kv
+        kv._num_token_slots += len(self._seqs)
+        # A sequence at or past its will-use counts its new slot there too (see append).
+        kv._num_will_use_slots += int(np.count_nonzero(past >= 0))
+        self._past_will_use = past + 1
+        self._num_steps_left -= 1
 
     def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
         """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
@@ -869,7 +879,7 @@ class SlabDecodeRun:
         num_seqs = len(self._seqs)
         reserved, token_slots, will_use, unusable = kv.usage_counts()
         past = self._past_will_use
-        if int(past.max(initial=-1)) + num_steps > 0:
+        if past.size and int(past.max()) + num_steps > 0:
             # Some sequence passes its will_use in these steps: its slots beyond it count.
             after = past[:, None] + np.arange(1, num_steps + 1, dtype=np.int64)  # [seq, step]
             extra = (np.maximum(after, 0) - np.maximum(past, 0)[:, None]).sum(axis=0).tolist()
@@ -890,7 +900,7 @@ class SlabDecodeRun:
                     num_taken += 1
                     if t < len(commits) and commits[t]:
                         kv.commit_many(commits[t])
-            except ValueError:
+            except BaseException:
                 for seq in seqs:
                     seq.num_tokens -= num_taken
                 raise

@@ -545,10 +545,11 @@ class Scheduler:
         """Call right after ``append_decodes`` returned True: how many of the next steps (at
         most ``max_steps``) surely stay plain decode steps as far as admission goes, and can
         be reserved together (``DecodeRun.advance_many``). The head's admission check only
-        reads its prefix match and the allocatable blocks; in a run the latter only shrink,
-        so its answer stays False until the match changes: until a step takes one of the
-        matched blocks, or a registration could extend it (``PagedKVManager.match_watch``).
-        Pure apart from the prefix index's match memo."""
+        reads its prefix match and the room the manager has for it, which in a run only
+        shrinks (paged: allocatable blocks) or stays (slab: free runs), so its answer
+        stays False until the match changes: until a step takes one of the matched blocks,
+        or a registration could extend it (the manager's ``match_watch``; ``run`` bounds
+        the steps by what it can take). Pure apart from the prefix index's match memo."""
         budget = self.config.max_num_batched_tokens - len(pairs)
         watch: Container[int] = ()  # nothing can start: no block matters
         if self.waiting and budget > 0:

@@ -168,8 +168,8 @@ class FastForward:
         """Take consecutive plain decode steps in one call.
 
         A run continues while the batch stays the same: every running sequence decodes
-        one token, no block is copied or swapped, the pool has the blocks the step needs
-        (no preemption), the head of the waiting queue still cannot start, and the step
+        one token, no block is copied or swapped, the KV manager has the slots the step
+        needs (``DecodeRun.can_advance``: no preemption), the head of the waiting queue still cannot start, and the step
         starts before ``next_arrival_s``. The first step in which a sequence produces its
         last token (its length limit or EOS) is the run's last: those sequences retire
         after it, in batch order, as ``StandInTokens.advance`` retires them. Each step updates the scheduler, KV
