@@ -23,7 +23,7 @@ stay referenced by the swapped sequence, because other holders still read them.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,6 +49,16 @@ class _Seq:
         self.num_tokens = num_tokens  # token slots allocated
         self.extra_key = extra_key
         self.host_blocks: dict[int, int] | None = None  # logical index -> host block; None: resident
+
+
+def usage_columns_of(
+    count_fields: Callable[..., dict[str, Any]], counts: Sequence[tuple[int, ...]]
+) -> dict[str, list[int]]:
+    """``DecodeRunKV.usage_columns`` for a manager whose ``count_fields`` maps its
+    ``usage_counts`` (ints, or int64 arrays of one value per step) to KVUsage fields:
+    every field, one value per entry of ``counts``, keyed ``kv.<field>``. Pure."""
+    columns = (np.array(column, dtype=np.int64) for column in zip(*counts))
+    return {f"kv.{name}": values.tolist() for name, values in count_fields(*columns).items()}
 
 
 def check_sizes(
@@ -492,9 +502,7 @@ class PagedKVManager(SeqTable):
     def usage_columns(self, counts: Sequence[tuple[int, ...]]) -> dict[str, list[int]]:
         """The KVUsage fields that ``usage_counts`` determine, one value per entry of
         ``counts`` (several steps at once), keyed ``kv.<field>``. Pure."""
-        in_use, token_slots, free = (np.array(column, dtype=np.int64) for column in zip(*counts))
-        fields = self._count_fields(in_use, token_slots, free)
-        return {f"kv.{name}": values.tolist() for name, values in fields.items()}
+        return usage_columns_of(self._count_fields, counts)
 
     def usage_of(self, *counts: int) -> KVUsage:
         """KVUsage for these ``usage_counts`` (blocks in use, claimed token slots, free

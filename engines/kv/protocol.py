@@ -210,8 +210,8 @@ class DecodeRun(Protocol):
         """``advance`` ``num_steps`` times (at most ``num_quiet_steps``), making step ``t``'s
         commits (``commit_many`` entries, ``commits[t]``) right after its slots are
         reserved. Returns per step the manager's ``usage_counts`` after it followed by the
-        cached blocks it reused (``(*counts, num_evicted)``). Mutates the manager; raises KVCapacityError, changing nothing,
-        when the steps do not fit."""
+        cached blocks it reused (``(*counts, num_evicted)``). Mutates the manager; raises
+        KVCapacityError, changing nothing, when the steps do not fit."""
         ...
 
 

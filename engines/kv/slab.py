@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvbench.engines.kv.paged import SeqTable, check_sizes
+from kvbench.engines.kv.paged import SeqTable, check_sizes, usage_columns_of
 from kvbench.engines.kv.protocol import COMMITS_REGISTER_NOTHING, NO_OPS, KVCapacityError, KVOps
 from kvbench.engines.sched.sequence import num_samples
 from kvbench.types import KVUsage, Request
@@ -651,8 +651,7 @@ class SlabKVManager(SeqTable):
     def usage_columns(self, counts: Sequence[tuple[int, ...]]) -> dict[str, list[int]]:
         """The KVUsage fields that ``usage_counts`` determine, one value per entry of
         ``counts`` (several steps at once), keyed ``kv.<field>``. Pure."""
-        columns = (np.array(column, dtype=np.int64) for column in zip(*counts))
-        return {f"kv.{name}": values.tolist() for name, values in self._count_fields(*columns).items()}
+        return usage_columns_of(self._count_fields, counts)
 
     def _count_fields(self, reserved: Any, token_slots: Any, will_use: Any, unusable: Any) -> dict[str, Any]:
         """KVUsage's count-dependent fields: ints, or int64 arrays (one per step). Pure."""
@@ -849,13 +848,8 @@ class SlabDecodeRun:
             raise KVCapacityError("decode run: a region is full (check can_advance)")
         for seq in self._seqs:
             seq.num_tokens += 1
-        past = self._past_will_use
-        kv = self._kv
-        kv._num_token_slots += len(self._seqs)
         # A sequence at or past its will-use counts its new slot there too (see append).
-        kv._num_will_use_slots += int(np.count_nonzero(past >= 0))
-        self._past_will_use = past + 1
-        self._num_steps_left -= 1
+        self._took(1, int(np.count_nonzero(self._past_will_use >= 0)))
 
     def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
         """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
@@ -907,8 +901,14 @@ class SlabDecodeRun:
         else:
             for seq in seqs:
                 seq.num_tokens += num_steps
-        kv._num_token_slots += num_steps * num_seqs
-        kv._num_will_use_slots += extra[-1] if num_steps else 0
-        self._past_will_use = past + num_steps
-        self._num_steps_left -= num_steps
+        self._took(num_steps, extra[-1] if num_steps else 0)
         return counts
+
+    def _took(self, num_steps: int, num_will_use_slots: int) -> None:
+        """Settle the manager's totals and the run's state once the sequences' slot counts
+        grew by ``num_steps`` (``num_will_use_slots`` of the new slots past will-use)."""
+        kv = self._kv
+        kv._num_token_slots += num_steps * len(self._seqs)
+        kv._num_will_use_slots += num_will_use_slots
+        self._past_will_use = self._past_will_use + num_steps
+        self._num_steps_left -= num_steps

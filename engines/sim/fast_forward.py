@@ -2,8 +2,9 @@
 
 This is the boundary between the engine and the fast path. ``PagedEngine`` builds a
 ``FastForward`` in simulation mode (cost-model executor, a manager offering decode runs:
-the plain ``PagedKVManager`` or the slab's ``SlabKVManager``) and calls ``run`` when the runner has told it when the next request arrives. Everything the
-run does goes through declared calls:
+the plain ``PagedKVManager`` or the slab's ``SlabKVManager``) and calls ``run`` when the
+runner has told it when the next request arrives. Everything the run does goes through
+declared calls:
 
 - the scheduler's decode-run interface (``Scheduler.decode_batch``, ``append_decodes``,
   ``admit_after_decodes`` / ``complete_step`` (a run's first step that admits),
@@ -103,9 +104,8 @@ class RunLog:
         """Record steps taken together: tokens int64 [seq, step] and ``DecodeRun.advance_many``'s
         per-step counts."""
         self.durations_s.extend(durations_s)
-        for *counts, evicted in reserved:
-            self.counts.append(tuple(counts))
-            self.evicted.append(evicted)
+        self.counts.extend([entry[:-1] for entry in reserved])
+        self.evicted.extend([entry[-1] for entry in reserved])
         self.token_blocks.append(token_block)
 
     def finish(self, kv: DecodeRunKV, stats: StatsFn) -> CoveredSteps | None:
@@ -169,8 +169,8 @@ class FastForward:
 
         A run continues while the batch stays the same: every running sequence decodes
         one token, no block is copied or swapped, the KV manager has the slots the step
-        needs (``DecodeRun.can_advance``: no preemption), the head of the waiting queue still cannot start, and the step
-        starts before ``next_arrival_s``. The first step in which a sequence produces its
+        needs (``DecodeRun.can_advance``: no preemption), the head of the waiting queue
+        still cannot start, and the step starts before ``next_arrival_s``. The first step in which a sequence produces its
         last token (its length limit or EOS) is the run's last: those sequences retire
         after it, in batch order, as ``StandInTokens.advance`` retires them. Each step updates the scheduler, KV
         manager and prefix index exactly as a single ``step`` would, without planning
