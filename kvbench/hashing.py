@@ -191,3 +191,90 @@ def prompt_block_keys(
         before = np.where(starts > 0, sums[np.maximum(starts - 1, 0)], np.uint64(0))
         chain = np.array([chain_start(salt, 0) for salt in salts], dtype=np.uint64)
         return sums - np.repeat(before, lengths) + np.repeat(chain, lengths)
+
+
+# ---------------------------------------------------------------------------- seen keys
+class SeenKeys:
+    """A growing set of uint64 block keys that answers, prompt after prompt, how many of a
+    prompt's leading keys an earlier prompt already added (``leading_seen_then_add``).
+
+    Open addressing with linear probing over a power-of-two table, compiled; keys are
+    chained mix64 sums, so their low bits index the table directly. The table grows
+    (doubling, rehashed) before a batch could take it past 3/4 full. Memory: 9 bytes per
+    slot, 12 to 24 per distinct key; the full Mooncake conversation trace's 9.0M prompt
+    blocks of 16 tokens (5.7M distinct) fill 8M slots, 75 MB.
+    """
+
+    def __init__(self, num_slots: int = 1 << 16) -> None:
+        if num_slots < 1 or num_slots & (num_slots - 1):
+            raise ValueError(f"SeenKeys: num_slots must be a power of two, got {num_slots}")
+        self._table = np.zeros(num_slots, dtype=np.uint64)  # [slots] key, where occupied
+        self._occupied = np.zeros(num_slots, dtype=np.uint8)  # [slots] 1: holds a key
+        self.num_keys = 0
+
+    def leading_seen_then_add(self, keys: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """For each prompt ``p`` in order, whose keys are ``keys[firsts[p] : firsts[p] +
+        counts[p]]`` (uint64; int64 ``firsts``, ``counts``): how many of its leading keys
+        the set held before it (int64 [prompts]); then its keys join the set. Mutates
+        the set."""
+        need = self.num_keys + len(keys)  # at most every key is new
+        size = len(self._table)
+        if 4 * need > 3 * size:
+            while 4 * need > 3 * size:
+                size *= 2
+            table = np.zeros(size, dtype=np.uint64)
+            occupied = np.zeros(size, dtype=np.uint8)
+            _rehash_keys(self._table, self._occupied, table, occupied)
+            self._table, self._occupied = table, occupied
+        out = np.empty(len(firsts), dtype=np.int64)
+        self.num_keys += _leading_seen_then_add(self._table, self._occupied, keys, firsts, counts, out)
+        return out
+
+
+@njit(cache=True, nogil=True)
+def _slot_of(table, occupied, key):  # pragma: no cover - compiled
+    """The slot holding ``key``, else the free slot where it would go (the table has one)."""
+    mask = np.uint64(table.shape[0] - 1)
+    i = key & mask
+    while occupied[i] and table[i] != key:
+        i = (i + np.uint64(1)) & mask
+    return i
+
+
+@njit(cache=True, nogil=True)
+def _add_key(table, occupied, key):  # pragma: no cover - compiled
+    """Add ``key`` (a table with a free slot); returns 1 when it was not there, else 0."""
+    i = _slot_of(table, occupied, key)
+    if occupied[i]:
+        return 0
+    table[i] = key
+    occupied[i] = 1
+    return 1
+
+
+@njit(cache=True, nogil=True)
+def _has_key(table, occupied, key):  # pragma: no cover - compiled
+    return occupied[_slot_of(table, occupied, key)] != 0
+
+
+@njit(cache=True, nogil=True)
+def _rehash_keys(table, occupied, new_table, new_occupied):  # pragma: no cover - compiled
+    for i in range(table.shape[0]):
+        if occupied[i]:
+            _add_key(new_table, new_occupied, table[i])
+
+
+@njit(cache=True, nogil=True)
+def _leading_seen_then_add(table, occupied, keys, firsts, counts, out):  # pragma: no cover - compiled
+    """``SeenKeys.leading_seen_then_add``'s loop; returns how many keys were new."""
+    added = 0
+    for p in range(firsts.shape[0]):
+        start = firsts[p]
+        n = counts[p]
+        k = 0
+        while k < n and _has_key(table, occupied, keys[start + k]):
+            k += 1
+        out[p] = k
+        for j in range(k, n):  # the leading ones are there already
+            added += _add_key(table, occupied, keys[start + j])
+    return added

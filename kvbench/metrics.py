@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from kvbench.hashing import prompt_block_keys
+from kvbench.hashing import SeenKeys, prompt_block_keys
 
 if TYPE_CHECKING:
     from kvbench.types import Request
@@ -833,46 +833,41 @@ def prefix_reused_tokens(
         raise ValueError(f"block_size: must be an int >= 1, got {block_size!r}")
     prompts = list(prompts)
     salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
-    # Vectorised over batches of prompts, then one pass over all blocks: a block's key is
-    # lane 0 of the engine's chained block key (``kvbench.hashing.prompt_block_keys``),
-    # computed for many prompts at once, so no Python loop runs per block. Distinct
+    # Vectorised over batches of prompts: a block's key is lane 0 of the engine's chained
+    # block key (``kvbench.hashing.prompt_block_keys``), computed for many prompts at once,
+    # so no Python loop runs per block. A prompt reuses its leading blocks whose keys an
+    # earlier prompt added to the set (``SeenKeys``, compiled; a chained key stands for
+    # the whole prefix up to its block, so one prompt never repeats one). Distinct
     # prefixes collide with probability ~2**-64 per pair, which could only raise an upper
     # bound.
-    keys: list[np.ndarray] = []
-    num_blocks = np.zeros(len(prompts), dtype=np.int64)
-    num_tokens = np.zeros(len(prompts), dtype=np.int64)
+    reused = np.zeros(len(prompts), dtype=np.int64)
+    seen = SeenKeys()
     # Prompts go in batches of about _BOUND_BATCH_TOKENS tokens: per-prompt numpy calls
     # cost more than the arithmetic for 12K prompts, and one batch for all would hold the
     # whole trace as uint64 (1.2 GB for Mooncake).
     parts: list[np.ndarray] = []
     firsts: list[int] = []  # per prompt with blocks in the batch: its first block's index
     batch_salts: list[str | None] = []
+    batch_prompts: list[int] = []  # their indexes among the prompts
+    reusable: list[int] = []  # their full blocks before the last token
     batch_blocks = 0
     for p, (prompt, salt) in enumerate(zip(prompts, salts)):
         ids = np.asarray(prompt)
-        num_tokens[p] = len(ids)
         nb = len(ids) // block_size
-        num_blocks[p] = nb
         if nb:
             parts.append(ids[: nb * block_size])
             firsts.append(batch_blocks)
             batch_salts.append(salt)
+            batch_prompts.append(p)
+            reusable.append((len(ids) - 1) // block_size)
             batch_blocks += nb
         if parts and (batch_blocks * block_size >= _BOUND_BATCH_TOKENS or p == len(prompts) - 1):
-            keys.append(prompt_block_keys(parts, firsts, batch_salts, block_size))
-            parts, firsts, batch_salts, batch_blocks = [], [], [], 0
-    reused = np.zeros(len(prompts), dtype=np.int64)
-    if not keys:
-        return reused
-    # A block's key seen in an earlier prompt: a duplicate within the arrival-ordered
-    # concatenation (one prompt cannot repeat a chained key, its prefixes all differ).
-    seen = pd.Series(np.concatenate(keys)).duplicated(keep="first").to_numpy()  # [total blocks]
-    has_blocks = num_blocks > 0
-    starts = np.concatenate(([0], np.cumsum(num_blocks[has_blocks])[:-1]))
-    local = np.arange(len(seen)) - np.repeat(starts, num_blocks[has_blocks])  # block index in its prompt
-    first_miss = np.minimum.reduceat(np.where(seen, np.iinfo(np.int64).max, local), starts)
-    reusable = np.maximum(num_tokens[has_blocks] - 1, 0) // block_size  # blocks before the last token
-    reused[has_blocks] = np.minimum(first_miss, reusable) * block_size
+            keys = prompt_block_keys(parts, firsts, batch_salts, block_size)  # uint64 [batch blocks]
+            starts = np.array(firsts, dtype=np.int64)
+            counts = np.diff(np.append(starts, len(keys)))  # blocks per prompt
+            leading = seen.leading_seen_then_add(keys, starts, counts)
+            reused[batch_prompts] = np.minimum(leading, reusable) * block_size
+            parts, firsts, batch_salts, batch_prompts, reusable, batch_blocks = [], [], [], [], [], 0
     return reused
 
 

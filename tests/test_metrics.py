@@ -14,6 +14,7 @@ from run_fixtures import exact_run
 from server_fixtures import server_frame
 
 from kvbench import metrics
+from kvbench.hashing import SeenKeys, prompt_block_keys
 
 
 @pytest.fixture
@@ -228,6 +229,71 @@ def test_prefix_reused_tokens_definition():
     assert metrics.prefix_reused_tokens([(), (1,)], 4).tolist() == [0, 0]
     with pytest.raises(ValueError, match="block_size"):
         metrics.prefix_reused_tokens([a], 0)
+
+
+# Keys from a few low-bit classes (they share table slots and probe past each other,
+# wrapping at the table's end) and the extremes of the uint64 range.
+_SEEN_KEYS = st.one_of(
+    st.builds(lambda high, low: (high << 40) | low, st.integers(0, (1 << 24) - 1), st.integers(0, 3)),
+    st.sampled_from([0, 1, 2**63, 2**64 - 2, 2**64 - 1]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batches=st.lists(st.lists(st.lists(_SEEN_KEYS, max_size=6), max_size=5), max_size=5),
+    num_slots=st.sampled_from([1, 2, 8]),
+)
+def test_seen_keys_match_a_python_set(batches: list[list[list[int]]], num_slots: int) -> None:
+    seen = SeenKeys(num_slots)
+    reference: set[int] = set()
+    for prompts in batches:  # one leading_seen_then_add call per batch, growing the table
+        keys = np.array([k for prompt in prompts for k in prompt], dtype=np.uint64)
+        counts = np.array([len(prompt) for prompt in prompts], dtype=np.int64)
+        firsts = np.cumsum(counts) - counts
+        leading = seen.leading_seen_then_add(keys, firsts, counts)
+        expected = []
+        for prompt in prompts:
+            k = 0
+            while k < len(prompt) and prompt[k] in reference:
+                k += 1
+            expected.append(k)
+            reference.update(prompt)
+        assert leading.tolist() == expected
+        assert seen.num_keys == len(reference)
+
+
+def test_seen_keys_table_size_must_be_a_power_of_two() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        SeenKeys(12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    turns=st.lists(
+        st.tuples(st.integers(0, 5), st.lists(st.integers(3, 9), max_size=20)), min_size=1, max_size=12
+    )
+)
+def test_prefix_reused_tokens_equals_a_set_of_block_keys(turns: list[tuple[int, list[int]]]) -> None:
+    # Prompts extend earlier ones (chat histories) or start afresh; the bound is, per
+    # prompt, its leading blocks (before the last token) whose chained keys an earlier
+    # prompt had, computed here one prompt at a time with a Python set.
+    prompts: list[tuple[int, ...]] = []
+    for parent, extra in turns:
+        base = prompts[parent] if parent < len(prompts) else ()
+        prompts.append(base + tuple(extra))
+    bs = 4
+    seen: set[int] = set()
+    expected = []
+    for prompt in prompts:
+        nb = len(prompt) // bs
+        keys = prompt_block_keys([np.asarray(prompt[: nb * bs])], [0], [None], bs).tolist() if nb else []
+        k = 0
+        while k < nb and keys[k] in seen:
+            k += 1
+        expected.append(min(k, max(len(prompt) - 1, 0) // bs) * bs)
+        seen.update(keys)
+    assert metrics.prefix_reused_tokens(prompts, bs).tolist() == expected
 
 
 def _replayed(requests: pd.DataFrame) -> list[SimpleNamespace]:

@@ -27,7 +27,7 @@ from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.slab import SlabEngine
 from kvbench.runner import RawRun, SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
-from kvbench.types import EngineContext, Workload
+from kvbench.types import EngineContext, Request, Workload
 from kvbench.workloads.prefixes import chat
 from kvbench.workloads.synthetic import best_of_n, random_requests
 from kvbench.workloads.traces import load_trace
@@ -205,10 +205,13 @@ def test_eos_ends_runs_when_not_ignored():
 
 # max_len slab regions of 256 positions: 16 blocks of 16 tokens, a few to an arena.
 SHORT_SPEC = dataclasses.replace(SPEC, max_position_embeddings=256)
-# The engines the property compares: paged (half the examples), and slab with each
+# The engines the property compares: paged (half the examples, each prefix cache), and slab with each
 # reservation and placement.
 ENGINE_VARIANTS = [
-    *[("paged", {})] * 4,
+    *(
+        ("paged", {"prefix_cache": prefix_cache})
+        for prefix_cache in ("block_hash", "radix", "none", "block_hash")
+    ),
     *(
         ("slab", {"reserve": reserve, "placement": placement})
         for reserve in ("request", "max_len")
@@ -217,7 +220,7 @@ ENGINE_VARIANTS = [
 ]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     num_requests=st.integers(1, 8),
     prompt_high=st.integers(2, 120),
@@ -228,6 +231,7 @@ ENGINE_VARIANTS = [
     max_num_batched_tokens=st.sampled_from([16, 48, 512]),
     n=st.sampled_from([1, 1, 2]),
     variant=st.sampled_from(ENGINE_VARIANTS),
+    tiny_vocab=st.booleans(),
     seed=st.integers(0, 1000),
 )
 def test_property_fast_forward_equals_stepping(
@@ -240,14 +244,18 @@ def test_property_fast_forward_equals_stepping(
     max_num_batched_tokens,
     n,
     variant,
+    tiny_vocab,
     seed,
 ):
+    # A tiny vocabulary (one regular id) fills blocks with the same ids: keys repeat across
+    # requests and samples, so prefix hits, evictions and radix block swaps come often.
+    spec = dataclasses.replace(SHORT_SPEC, vocab_size=4, eos_token_id=2) if tiny_vocab else SHORT_SPEC
     workload = random_requests(
         num_requests,
         {"kind": "uniform", "low": 1, "high": prompt_high},
         {"kind": "uniform", "low": 1, "high": output_high},
         {"kind": "poisson", "rate_per_s": rate_per_s},
-        vocab_size=SPEC.vocab_size,
+        vocab_size=spec.vocab_size,
         seed=seed,
         n=n,
         temperature=1.0 if n > 1 else 0.0,
@@ -255,7 +263,7 @@ def test_property_fast_forward_equals_stepping(
     engine, engine_params = variant
     assert_identical(
         workload,
-        spec=SHORT_SPEC,
+        spec=spec,
         engine_cls=CountingEngine if engine == "paged" else CountingSlabEngine,
         # A slab arena of at least one max_len region (16 blocks): smaller rejects everything.
         num_blocks=num_blocks if engine == "paged" else max(num_blocks, 16),
@@ -284,6 +292,25 @@ def test_tiny_vocabulary_drops_and_registrations_interleave_as_stepping(seed):
     assert_identical(
         workload, spec=spec, block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=64
     )
+
+
+@pytest.mark.parametrize(("prefix_cache", "peak_kv_slots"), [("radix", 12), ("block_hash", 16)])
+def test_sample_peaks_are_taken_before_commits_that_share_blocks(prefix_cache, peak_kv_slots):
+    # Two samples of one repeated token (vocab 4, stand-ins all 3): their decode blocks
+    # fill with the same ids. A radix commit swaps the second sample's full block for the
+    # first's, so the group holds fewer slots after the commit than during the step: the
+    # peak (three full blocks, 12 slots) is the one before it, as stepping records it. A
+    # block-hash commit moves no reference: the samples keep four blocks (16 slots).
+    spec = dataclasses.replace(SPEC, vocab_size=4, eos_token_id=2)
+    request = Request("r0", 0.0, (3, 3, 3), 6, n=2, temperature=1.0)
+    workload = Workload("two_samples", (request,))
+    params = dict(
+        block_size=4, num_blocks=4, max_num_seqs=2, max_num_batched_tokens=2, prefix_cache=prefix_cache
+    )
+    slow, _ = run(workload, False, spec, **params)
+    assert slow.outputs == {"r0": ((3,) * 6, (3,) * 6)}
+    assert slow.requests["peak_kv_slots"].tolist() == [peak_kv_slots]
+    assert_identical(workload, spec=spec, **params)
 
 
 def test_vectorised_stand_in_tokens_equal_the_scalar_draw():

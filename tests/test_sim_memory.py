@@ -35,7 +35,13 @@ from kvbench.types import (
 )
 from kvbench.workloads.replay import HashBlockPrompt, ReplayOptions
 from kvbench.workloads.replay import replay as replay_trace
-from kvbench.workloads.tokens import keyed_block_bases, keyed_block_ids_into, keyed_ids_from_bases
+from kvbench.workloads.tokens import (
+    FLOAT_QUOTIENT_MIN_DIVISOR,
+    keyed_block_bases,
+    keyed_block_ids_into,
+    keyed_ids_from_bases,
+    mod_by_float_quotient,
+)
 from kvbench.workloads.traces import load_trace, parse_trace
 
 MOONCAKE_HEAD = Path(__file__).parent / "fixtures" / "traces" / "mooncake_conversation_head200.jsonl"
@@ -310,3 +316,39 @@ def test_compiled_keyed_block_ids_equal_the_numpy_definition(
     offsets = np.arange(int(lengths.sum())) - np.repeat(ends - lengths, lengths)
     expected = keyed_ids_from_bases(np.repeat(bases, lengths), offsets, vocab_size)
     assert np.array_equal(out, expected)
+
+
+def _edge_dividends(n: int) -> list[int]:
+    """Dividends where a float quotient is most likely off by one: 0, around multiples
+    of ``n`` (small, near 2**53 and near 2**64) and the top of the uint64 range."""
+    top = (2**64 - 1) // n
+    values = {0, 1, 2**53 - 1, 2**53, 2**53 + 1, 2**63, 2**64 - 2, 2**64 - 1}
+    for k in (1, 2, 3, 2**53 // n, 2**53 // n + 1, 2**63 // n, top - 1, top):
+        for delta in (-2, -1, 0, 1, 2):
+            values.add(k * n + delta)
+    return sorted(v for v in values if 0 <= v < 2**64)
+
+
+@pytest.mark.parametrize(
+    "divisor",
+    [
+        FLOAT_QUOTIENT_MIN_DIVISOR,
+        FLOAT_QUOTIENT_MIN_DIVISOR + 1,
+        31997,
+        50254,
+        128253,
+        151933,
+        2**24 + 1,
+        2**31 - 4,
+    ],
+)
+def test_float_quotient_mod_is_exact_at_the_edges(divisor: int) -> None:
+    inv = 1.0 / divisor
+    for y in _edge_dividends(divisor):
+        assert int(mod_by_float_quotient(np.uint64(y), divisor, inv)) == y % divisor, (y, divisor)
+
+
+@settings(max_examples=300, deadline=None)
+@given(y=st.integers(0, 2**64 - 1), divisor=st.integers(FLOAT_QUOTIENT_MIN_DIVISOR, 2**31 - 4))
+def test_float_quotient_mod_is_exact(y: int, divisor: int) -> None:
+    assert int(mod_by_float_quotient(np.uint64(y), divisor, 1.0 / divisor)) == y % divisor

@@ -521,11 +521,22 @@ class Scheduler:
         ``commit_phases`` (``decode_commit_phases`` of the run's first step) and ``step``
         (steps of the run completed before this one) say which sequences reach a
         commit: the others' commits would register nothing. A sequence this token
-        finishes retires in ``finish_decodes`` (the run's last step), as do peaks.
-        Mutates the sequences and the prefix index (commit)."""
+        finishes retires in ``finish_decodes`` (the run's last step), as do peaks, except
+        a committing sample group's: its peak is taken before the commit, as ``schedule``
+        takes it before ``complete_step``, because a commit may shrink what the group
+        holds (a radix index swaps a sample's full block for its cached twin).
+        Mutates the sequences, the prefix index (commit) and those groups' peaks."""
         kv = self.kv
         committing = np.flatnonzero(commit_phases == step % kv.commit_interval).tolist()
         if committing:
+            seq_groups = self._seqs
+            shared = {
+                id(group): group
+                for group, _ in [seq_groups[seqs[index].seq_id] for index in committing]
+                if len(group.seqs) > 1
+            }
+            for group in shared.values():
+                self._update_peaks(group)
             # Every token but the new one has its KV.
             kv.commit_many([(seqs[index].seq_id, seqs[index].token_ids) for index in committing])
         for seq, token in zip(seqs, token_ids):
