@@ -219,9 +219,9 @@ class SeenKeys:
         the set."""
         need = self.num_keys + len(keys)  # at most every key is new
         size = len(self._table)
-        if 4 * need > 3 * size:
-            while 4 * need > 3 * size:
-                size *= 2
+        while 4 * need > 3 * size:
+            size *= 2
+        if size != len(self._table):
             table = np.zeros(size, dtype=np.uint64)
             occupied = np.zeros(size, dtype=np.uint8)
             _rehash_keys(self._table, self._occupied, table, occupied)

@@ -528,7 +528,9 @@ class Scheduler:
         Mutates the sequences, the prefix index (commit) and those groups' peaks."""
         kv = self.kv
         committing = np.flatnonzero(commit_phases == step % kv.commit_interval).tolist()
-        if committing:
+        # Only a group of several samples can shrink; the sequence budget equals the group
+        # count only when every group runs one sample (as in decode_batch).
+        if committing and self._seq_budget_used != len(self.running):
             seq_groups = self._seqs
             shared = {
                 id(group): group
@@ -537,6 +539,7 @@ class Scheduler:
             }
             for group in shared.values():
                 self._update_peaks(group)
+        if committing:
             # Every token but the new one has its KV.
             kv.commit_many([(seqs[index].seq_id, seqs[index].token_ids) for index in committing])
         for seq, token in zip(seqs, token_ids):
