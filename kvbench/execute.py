@@ -340,7 +340,15 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
     # Simulation samples nothing: the process's memory is the simulator's own, not the
     # modeled GPU's (and a sampling thread only competes for the GIL).
     with contextlib.nullcontext() if sim else sampler:
-        raw = replay(engine, workload, clock, progress=cfg.run.progress, max_stall_steps=cfg.run.stall_steps)
+        # The frames need no token ids: a run keeps none (millions of simulated requests).
+        raw = replay(
+            engine,
+            workload,
+            clock,
+            progress=cfg.run.progress,
+            max_stall_steps=cfg.run.stall_steps,
+            keep_outputs=False,
+        )
     memory = sampler.samples_frame()
     missing = dict(sampler.missing())
     if sim:
@@ -443,7 +451,12 @@ def _measure_live(
         sampler = MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=0)
         with sampler, scraper:
             raw = replay(
-                engine, workload, clock, progress=cfg.run.progress, max_stall_steps=cfg.run.stall_steps
+                engine,
+                workload,
+                clock,
+                progress=cfg.run.progress,
+                max_stall_steps=cfg.run.stall_steps,
+                keep_outputs=False,
             )
         server_failure = engine.server_failure()
     finally:

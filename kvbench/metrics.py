@@ -23,7 +23,7 @@ alone do not hold prompt token ids.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -500,9 +500,11 @@ def completed_mask(requests: pd.DataFrame) -> pd.Series:
     return ~rejected & np.isfinite(requests["finish_s"].astype(float))
 
 
-def per_request(requests: pd.DataFrame) -> pd.DataFrame:
+def per_request(requests: pd.DataFrame, *, itl: bool = True) -> pd.DataFrame:
     """Latencies per request: a new frame with ``request_id``, ``completed``, ``ttft_ms``,
-    ``tpot_ms`` (NaN when num_output_tokens <= 1), ``e2el_ms`` and ``itl_ms`` (list of gaps).
+    ``tpot_ms`` (NaN when num_output_tokens <= 1), ``e2el_ms`` and, unless ``itl`` is
+    False, ``itl_ms`` (list of gaps: a Python float per token, which a run of millions of
+    requests cannot afford; ``pooled_itl_ms`` gives them all as one array).
 
     Does not mutate ``requests``. Rejected / unfinished requests get NaN latencies.
     Raises MetricsError naming a missing column.
@@ -515,20 +517,35 @@ def per_request(requests: pd.DataFrame) -> pd.DataFrame:
     num_out = requests["num_output_tokens"].to_numpy(dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         tpot_ms = np.where(num_out > 1, (e2el_ms - ttft_ms) / (num_out - 1), np.nan)
-    itl_ms = [
-        (np.diff(np.asarray(times, dtype=float)) * 1e3).tolist() if ok and times is not None else []
-        for ok, times in zip(done, requests["token_times_s"])
-    ]
-    return pd.DataFrame(
-        {
-            "request_id": requests["request_id"].to_numpy(),
-            "completed": done,
-            "ttft_ms": np.where(done, ttft_ms, np.nan),
-            "tpot_ms": np.where(done, tpot_ms, np.nan),
-            "e2el_ms": np.where(done, e2el_ms, np.nan),
-            "itl_ms": itl_ms,
-        }
-    )
+    columns = {
+        "request_id": requests["request_id"].to_numpy(),
+        "completed": done,
+        "ttft_ms": np.where(done, ttft_ms, np.nan),
+        "tpot_ms": np.where(done, tpot_ms, np.nan),
+        "e2el_ms": np.where(done, e2el_ms, np.nan),
+    }
+    if itl:
+        columns["itl_ms"] = [gaps.tolist() for gaps in _itl_gaps_ms(requests, done)]
+    return pd.DataFrame(columns)
+
+
+def pooled_itl_ms(requests: pd.DataFrame) -> np.ndarray:
+    """Every completed request's inter-token gaps in ms (float64 [gaps]), request by
+    request in frame order: ``per_request``'s ``itl_ms`` lists joined, 8 bytes a gap.
+    Pure; raises MetricsError naming a missing column."""
+    _require(requests, REQUIRED_REQUEST_COLUMNS, "requests")
+    gaps = [g for g in _itl_gaps_ms(requests, completed_mask(requests).to_numpy()) if len(g)]
+    return np.concatenate(gaps) if gaps else np.empty(0)
+
+
+def _itl_gaps_ms(requests: pd.DataFrame, done: np.ndarray) -> Iterator[np.ndarray]:
+    """Per request, the gaps between its consecutive ``token_times_s`` in ms (float64;
+    empty for a request not ``done`` or without times). Pure."""
+    for ok, times in zip(done, requests["token_times_s"]):
+        if ok and times is not None:
+            yield np.diff(np.asarray(times, dtype=float)) * 1e3
+        else:
+            yield np.empty(0)
 
 
 # --------------------------------------------------------------------------- summary
@@ -615,7 +632,7 @@ def _stats(values: np.ndarray, prefix: str, out: dict[str, float], missing: dict
 def _request_metrics(
     requests: pd.DataFrame, meta: Mapping[str, Any], out: dict[str, float], missing: dict[str, str]
 ) -> None:
-    lat = per_request(requests)
+    lat = per_request(requests, itl=False)
     done = lat["completed"].to_numpy()
     rejected = requests["rejected_reason"].fillna("").astype(str) != ""
     out["num_requests"] = float(len(requests))
@@ -633,8 +650,9 @@ def _request_metrics(
         missing,
         "no completed request has more than one output token",
     )
-    itl = np.asarray([gap for gaps in lat["itl_ms"] for gap in gaps], dtype=float)
-    _stats(itl, "itl_ms", out, missing, "no completed request has two or more token times")
+    _stats(
+        pooled_itl_ms(requests), "itl_ms", out, missing, "no completed request has two or more token times"
+    )
 
     completed = requests[done]
     if len(completed) == 0:

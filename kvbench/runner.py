@@ -196,6 +196,7 @@ class _RequestLog:
     finish_s: float = float("nan")
     token_times_s: list[float] = field(default_factory=list)
     num_generated_tokens: int = 0
+    num_output_tokens: int = 0  # sample 0's, when it finishes
     num_cached_tokens: int | None = 0  # None: the engine does not know (NaN in the frame)
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
@@ -212,7 +213,9 @@ class RawRun:
     steps: pd.DataFrame
     duration_s: float
     num_steps: int
-    outputs: dict[str, tuple[tuple[int, ...], ...]]  # request id -> token ids per sample
+    # Request id -> token ids per sample, of the requests that finished; empty when
+    # ``replay`` ran with keep_outputs=False.
+    outputs: dict[str, tuple[tuple[int, ...], ...]]
 
 
 STEP_COLUMNS = ("step", "start_s", "end_s", "duration_s", "device_time_s")
@@ -330,6 +333,7 @@ def replay(
     progress: str = "off",
     *,
     max_stall_steps: int | None = None,
+    keep_outputs: bool = True,
 ) -> RawRun:
     """Feed ``workload`` to ``engine`` at its arrival times until every request is done.
 
@@ -338,8 +342,11 @@ def replay(
     emit and retire nothing; and ``max_stall_steps`` consecutive steps (each covered step
     of a multi-step output counts) in which no request finishes or is rejected while the
     engine has work (tokens may flow: an engine that never completes anything).
-    ``max_stall_steps=None`` uses ``default_max_stall_steps(workload)``. Mutates the
-    engine (it runs the whole workload). Raises ValueError for ``max_stall_steps`` < 1.
+    ``max_stall_steps=None`` uses ``default_max_stall_steps(workload)``.
+    ``keep_outputs=False`` leaves ``RawRun.outputs`` empty: the frames never need the
+    token ids, which as Python ints cost ~40 bytes a token (a simulated trace of millions
+    of requests would hold gigabytes of stand-in tokens). Mutates the engine (it runs the
+    whole workload). Raises ValueError for ``max_stall_steps`` < 1.
     """
     if max_stall_steps is None:
         max_stall_steps = default_max_stall_steps(workload)
@@ -436,7 +443,10 @@ def replay(
                 log.num_recomputed_tokens = finished.num_recomputed_tokens
                 log.peak_kv_slots = finished.peak_kv_slots
                 log.peak_kv_slots_unshared = finished.peak_kv_slots_unshared
-                outputs[finished.request_id] = finished.output_token_ids
+                samples = finished.output_token_ids
+                log.num_output_tokens = len(samples[0]) if samples else 0
+                if keep_outputs:
+                    outputs[finished.request_id] = samples
             for rejected in output.rejected:
                 logs[rejected.request_id].rejected_reason = rejected.reason
             progressed = (
@@ -471,7 +481,7 @@ def replay(
     covered_tokens.count()
     duration_s = clock.now()
     return RawRun(
-        requests=_requests_frame(logs.values(), outputs),
+        requests=_requests_frame(logs.values()),
         steps=steps.frame(),
         duration_s=duration_s,
         num_steps=num_steps,
@@ -672,7 +682,7 @@ def _extend_columns(cells: list[list[Any]], rows: list[tuple[Any, ...]]) -> None
             column.extend(values)
 
 
-def _requests_frame(logs: Any, outputs: dict[str, tuple[tuple[int, ...], ...]]) -> pd.DataFrame:
+def _requests_frame(logs: Iterable[_RequestLog]) -> pd.DataFrame:
     rows = []
     for log in logs:
         row = {
@@ -683,7 +693,7 @@ def _requests_frame(logs: Any, outputs: dict[str, tuple[tuple[int, ...], ...]]) 
             "finish_s": log.finish_s,
             "token_times_s": log.token_times_s,
             "num_prompt_tokens": log.num_prompt_tokens,
-            "num_output_tokens": len(outputs[log.request_id][0]) if log.request_id in outputs else 0,
+            "num_output_tokens": log.num_output_tokens,
             "num_generated_tokens": log.num_generated_tokens,
             "num_samples": log.num_samples,
             "num_cached_tokens": math.nan if log.num_cached_tokens is None else log.num_cached_tokens,

@@ -151,6 +151,11 @@ def test_per_request_columns_and_no_mutation(exact):
     assert math.isnan(lat["tpot_ms"].iloc[2]) and math.isnan(lat["ttft_ms"].iloc[3])
     assert lat["itl_ms"].iloc[0] == pytest.approx([100, 100, 200])
     assert lat["itl_ms"].iloc[3] == []
+    # The pooled gaps summarize_run reads are the lists joined, in frame order, exactly.
+    joined = [gap for gaps in lat["itl_ms"] for gap in gaps]
+    assert metrics.pooled_itl_ms(requests).tolist() == joined and len(joined) >= 3
+    assert "itl_ms" not in metrics.per_request(requests, itl=False)
+    pd.testing.assert_frame_equal(metrics.per_request(requests, itl=False), lat.drop(columns="itl_ms"))
 
 
 def test_missing_column_names_frame_and_column(exact):

@@ -38,7 +38,9 @@ class CharTokenizer:
 def digest(workload: Workload) -> str:
     h = hashlib.sha256()
     for r in workload.requests:
-        h.update(repr((r.request_id, round(r.arrival_s, 9), r.prompt_token_ids, r.max_new_tokens)).encode())
+        # The ids as a tuple whatever form the prompt takes (random prompts are int32 arrays).
+        prompt = tuple(np.asarray(r.prompt_token_ids).tolist())
+        h.update(repr((r.request_id, round(r.arrival_s, 9), prompt, r.max_new_tokens)).encode())
     return h.hexdigest()[:16]
 
 
@@ -93,7 +95,9 @@ GOLDEN_RANDOM_DIGEST = "d7b4bc186f84a6a1"
 def test_request_tokens_do_not_depend_on_request_count() -> None:
     small = random_requests(4, 32, 8, vocab_size=4096, seed=3)
     large = random_requests(40, 32, 8, vocab_size=4096, seed=3)
-    assert [r.prompt_token_ids for r in small.requests] == [r.prompt_token_ids for r in large.requests[:4]]
+    assert [r.prompt_token_ids.tolist() for r in small.requests] == [
+        r.prompt_token_ids.tolist() for r in large.requests[:4]
+    ]
 
 
 # --------------------------------------------------------------------------- lengths
@@ -448,3 +452,15 @@ def test_half_a_protocol_is_refused_naming_what_the_protocol_needs():
         arrival_process(TimesOnly())
     fixed = length_dist(7, "prompt_len")
     assert length_dist(fixed, "prompt_len") is fixed  # a whole LengthDist passes as is
+
+
+def test_random_prompts_are_read_only_int32_arrays() -> None:
+    """4 bytes a token, so a million random prompts fit in memory (a tuple holds an int
+    object a token, ~36 bytes); the ids are those of the generator, read only."""
+    workload = random_requests(8, {"kind": "uniform", "low": 8, "high": 64}, 4, vocab_size=4096, seed=5)
+    for r in workload.requests:
+        prompt = r.prompt_token_ids
+        assert isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and not prompt.flags.writeable
+        assert prompt.nbytes == 4 * r.num_prompt_tokens
+        with pytest.raises(ValueError):
+            prompt[0] = 3

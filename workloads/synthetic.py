@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from kvbench.types import Request, Workload
 from kvbench.workloads.build import check_common, draw_lengths, sorted_workload
 from kvbench.workloads.distributions import arrival_process
@@ -68,8 +70,8 @@ def random_requests(
         Request(
             request_id=f"{name}-{i:06d}",
             arrival_s=float(arrivals[i]),
-            prompt_token_ids=tuple(
-                random_token_ids(derive_rng(seed, STREAM_TOKENS, i), int(prompt_lens[i]), vocab_size).tolist()
+            prompt_token_ids=_frozen_ids(
+                random_token_ids(derive_rng(seed, STREAM_TOKENS, i), int(prompt_lens[i]), vocab_size)
             ),
             max_new_tokens=int(output_lens[i]),
             n=n,
@@ -80,6 +82,15 @@ def random_requests(
         for i in range(num_requests)
     ]
     return sorted_workload(name, requests, counters)
+
+
+def _frozen_ids(ids: np.ndarray) -> np.ndarray:
+    """``ids`` as a read-only int32 array, a prompt form ``Request`` takes: 4 bytes a token
+    where a tuple holds an int object (~36 bytes), so a workload of a million random
+    prompts fits in memory (vocabularies are far below 2**31)."""
+    frozen = ids.astype(np.int32)
+    frozen.flags.writeable = False
+    return frozen
 
 
 def best_of_n(
