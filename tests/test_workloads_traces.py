@@ -17,8 +17,8 @@ from run_fixtures import run_kvbench
 from kvbench.types import ComputedTokenIds
 from kvbench.workloads.distributions import EmpiricalLength
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
-from kvbench.workloads.replay import ReplayOptions, replay, scaled_block_lengths
-from kvbench.workloads.tokens import keyed_token_ids
+from kvbench.workloads.replay import RandomPrompt, ReplayOptions, replay, scaled_block_lengths
+from kvbench.workloads.tokens import STREAM_TOKENS, derive_rng, keyed_token_ids, random_token_ids
 from kvbench.workloads.trace_formats import CHARS_PER_TOKEN
 from kvbench.workloads.trace_io import SHIPPED_TRACES, detect_format, resolve_trace_path
 from kvbench.workloads.traces import load_trace, parse_trace
@@ -420,11 +420,32 @@ def test_mooncake_prompts_are_computed_per_hash_block_as_read_only_int32_arrays(
         assert by_line[record.line].num_prompt_tokens == len(prompt) == lengths.sum()
 
 
+def test_length_only_prompts_are_drawn_when_read_as_read_only_int32_arrays() -> None:
+    """Azure / BurstGPT prompts hold no ids (a trace of millions of requests would hold
+    them as Python ints otherwise): each is its record's own random stream, drawn when
+    read, the same ids every read and the ids the eager definition gives."""
+    trace = parse_trace(AZURE_CONV)
+    workload = replay(trace, ReplayOptions(length_scale=0.1, max_requests=30), vocab_size=4096, seed=5)
+    by_line = {int(r.tags["line"]): r for r in workload.requests}
+    for record in trace.records[:30]:
+        request = by_line[record.line]
+        assert isinstance(request.prompt_token_ids, RandomPrompt)
+        assert isinstance(request.prompt_token_ids, ComputedTokenIds)
+        prompt = request.with_prompt_in_memory().prompt_token_ids
+        assert isinstance(prompt, np.ndarray) and prompt.dtype == np.int32 and not prompt.flags.writeable
+        eager = random_token_ids(derive_rng(5, STREAM_TOKENS, record.line), len(prompt), 4096)
+        assert prompt.tolist() == eager.tolist() == request.prompt_token_ids.ids().tolist()
+        assert len(prompt) == request.num_prompt_tokens == max(1, round(record.input_length * 0.1))
+        assert request == request.with_prompt_in_memory()  # == compares ids across forms
+    with pytest.raises(WorkloadConfigError, match="2\\*\\*32"):
+        RandomPrompt(5, 2**32, 4, 4096)
+
+
 def test_random_ids_of_a_record_do_not_depend_on_the_window() -> None:
     full = load_trace(AZURE_CONV, vocab_size=4096, seed=5, length_scale=0.1)
     windowed = load_trace(AZURE_CONV, vocab_size=4096, seed=5, length_scale=0.1, start_s=5.0)
-    by_line = {r.tags["line"]: r.prompt_token_ids for r in full.requests}
-    assert all(by_line[r.tags["line"]] == r.prompt_token_ids for r in windowed.requests)
+    by_line = {r.tags["line"]: r.prompt_token_ids.ids().tolist() for r in full.requests}
+    assert all(by_line[r.tags["line"]] == r.prompt_token_ids.ids().tolist() for r in windowed.requests)
     assert windowed.requests[0].arrival_s >= 0 and len(windowed.requests) < len(full.requests)
 
 
@@ -688,7 +709,9 @@ def test_a_capped_prompt_is_drawn_only_up_to_the_cap(tmp_path) -> None:
     assert [r.num_prompt_tokens for r in capped.requests] == [40, 40]
     assert capped.counters["num_prompt_tokens_truncated"] == 2**24 - 40 + 500 - 40
     full = load_trace(path, vocab_size=1000, start_s=0.5)  # the 500-token record alone
-    assert capped.requests[1].prompt_token_ids == full.requests[0].prompt_token_ids[:40]
+    assert (
+        capped.requests[1].prompt_token_ids.ids().tolist() == full.requests[0].prompt_token_ids[:40].tolist()
+    )
 
 
 def test_kvbench_run_on_a_truncated_gzip_names_the_file_on_one_screen(tmp_path) -> None:

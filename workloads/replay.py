@@ -35,6 +35,7 @@ from kvbench.workloads.tokens import (
     STREAM_SAMPLE,
     STREAM_TOKENS,
     check_seed,
+    check_stream_words,
     check_vocab_size,
     derive_rng,
     keyed_block_bases,
@@ -162,7 +163,7 @@ def replay(
             Request(
                 request_id=f"{name}-{index:06d}",
                 arrival_s=arrival_s,
-                prompt_token_ids=prompt if record.hash_ids is not None else tuple(prompt.tolist()),
+                prompt_token_ids=prompt,
                 max_new_tokens=output_len,
                 tags={**extra_tags, "line": str(record.line), **record.tags},
             )
@@ -267,13 +268,52 @@ def _hash_id_prompts(
     )
 
 
+@dataclass(frozen=True, eq=False)
+class RandomPrompt:
+    """A length-only trace record's prompt (Azure, BurstGPT) as ``ComputedTokenIds``:
+    ``num_tokens`` ids drawn from the record's own stream (``random_token_ids`` of
+    ``derive_rng(seed, STREAM_TOKENS, line)``), computed when read. Holds four ints
+    instead of the ids, so a trace of millions of requests holds no prompt; the first n
+    draws of a stream do not depend on how many follow, so a capped prompt is the
+    uncapped one cut. Raises WorkloadConfigError for a seed or line outside [0, 2**32).
+    """
+
+    seed: int
+    line: int
+    num_tokens: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        check_stream_words((self.seed, STREAM_TOKENS, 1, self.line))  # derive_rng's words, now
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def ids(self) -> np.ndarray:
+        """The ids: a new read-only int32 array [num_tokens] (vocabularies are far below 2**31)."""
+        rng = derive_rng(self.seed, STREAM_TOKENS, self.line)
+        ids = random_token_ids(rng, self.num_tokens, self.vocab_size).astype(np.int32)
+        ids.flags.writeable = False
+        return ids
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.ids()[index]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        ids = self.ids()
+        return ids if dtype is None else ids.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"RandomPrompt({self.num_tokens} ids of line {self.line})"
+
+
 def _prompt_ids(
     record: TraceRecord, options: ReplayOptions, vocab_size: int, seed: int
-) -> tuple[np.ndarray, int]:
-    """The prompt token ids (int64) of a record without hash ids after length scaling,
-    cut to ``max_prompt_tokens``, and the prompt's length before the cut. Random ids are
-    drawn only up to the cap (the first n draws of a stream do not depend on how many
-    follow), so a huge recorded length costs nothing when capped."""
+) -> tuple[tuple[int, ...] | RandomPrompt, int]:
+    """The prompt of a record without hash ids after length scaling, cut to
+    ``max_prompt_tokens``, and the prompt's length before the cut: the text-derived ids as
+    a tuple, else a ``RandomPrompt`` (whose ids are drawn when read, and only up to the
+    cap, so a huge recorded length costs nothing when capped)."""
     cap = options.max_prompt_tokens
     length = max(1, round(record.input_length * options.length_scale))
     kept = length if cap is None else min(length, cap)
@@ -281,5 +321,5 @@ def _prompt_ids(
         # Scaling text-derived prompts keeps their prefix, so shared prefixes stay shared.
         length = min(length, len(record.prompt_token_ids))
         kept = min(kept, length)
-        return np.asarray(record.prompt_token_ids[:kept], dtype=np.int64), length
-    return random_token_ids(derive_rng(seed, STREAM_TOKENS, record.line), kept, vocab_size), length
+        return record.prompt_token_ids[:kept], length
+    return RandomPrompt(seed, record.line, kept, vocab_size), length

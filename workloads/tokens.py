@@ -62,9 +62,14 @@ def derive_rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
     zeros: without it ``(s, stream)`` and ``(s, stream, 0)`` would be the same stream.
     """
     words = [seed, stream, len(keys), *keys]
-    if any(not 0 <= int(w) < 2**32 for w in words):
-        raise WorkloadConfigError(f"seed: derived-stream words must lie in [0, 2**32), got {words}")
+    check_stream_words(words)
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
+
+
+def check_stream_words(words: Sequence[int]) -> None:
+    """Raise WorkloadConfigError unless every word of a derived stream lies in [0, 2**32). Pure."""
+    if any(not 0 <= int(w) < 2**32 for w in words):
+        raise WorkloadConfigError(f"seed: derived-stream words must lie in [0, 2**32), got {list(words)}")
 
 
 def random_token_ids(rng: np.random.Generator, num_tokens: int, vocab_size: int) -> np.ndarray:
