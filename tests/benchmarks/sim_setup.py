@@ -63,9 +63,10 @@ def sharegpt_like(num_requests: int, vocab_size: int, seed: int = 0) -> Workload
 
 
 def replay_all_answered(engine: PagedEngine | SlabEngine, workload: Workload) -> RawRun:
-    """``replay`` on the simulated clock; fails when a request went unanswered (neither
-    finished nor rejected), which would make any per-request rate meaningless."""
-    raw = replay(engine, workload, SimClock())
+    """``replay`` on the simulated clock, keeping no token ids as ``kvbench run`` does;
+    fails when a request went unanswered (neither finished nor rejected), which would make
+    any per-request rate meaningless."""
+    raw = replay(engine, workload, SimClock(), keep_outputs=False)
     done = raw.requests["finish_s"].notna() | (raw.requests["rejected_reason"] != "")
     assert len(raw.requests) == len(workload.requests) and done.all(), (
         f"{type(engine).__name__}: {int((~done).sum())} of {len(workload.requests)} requests unanswered"
