@@ -197,7 +197,10 @@ class FastForward:
         # token (step ``max_new_tokens - num_output_tokens``, counting from 1) ends the run.
         # One comprehension per column: the batch is rebuilt for every run.
         groups = [group for group, _ in pairs]
-        lengths = np.array([len(seq.token_ids) for seq in seqs], dtype=np.int64)
+        # Decode state (decode_batch): only the newest token lacks KV, so a sequence's
+        # length is its computed count + 1, an attribute read (len() of a numpy prompt's
+        # ArrayTokenIds is a Python call).
+        lengths = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64) + 1
         positions = lengths - np.array(
             [seq.num_prompt_tokens for seq in seqs], dtype=np.int64
         )  # outputs so far
