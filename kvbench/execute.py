@@ -340,15 +340,7 @@ def _measure(cfg: DictConfig, meta: dict[str, Any], work_dir: Path) -> Measured:
     # Simulation samples nothing: the process's memory is the simulator's own, not the
     # modeled GPU's (and a sampling thread only competes for the GIL).
     with contextlib.nullcontext() if sim else sampler:
-        # The frames need no token ids: a run keeps none (millions of simulated requests).
-        raw = replay(
-            engine,
-            workload,
-            clock,
-            progress=cfg.run.progress,
-            max_stall_steps=cfg.run.stall_steps,
-            keep_outputs=False,
-        )
+        raw = _replay(cfg, engine, workload, clock)
     memory = sampler.samples_frame()
     missing = dict(sampler.missing())
     if sim:
@@ -401,6 +393,19 @@ def _wall_clock(cfg: DictConfig) -> tuple[Clock, int]:
     return clock, torch.device(cfg.run.device).index or 0
 
 
+def _replay(cfg: DictConfig, engine: Engine, workload: Workload, clock: Clock) -> RawRun:
+    """The measured replay of a run (``run.progress``, ``run.stall_steps``), keeping no
+    token ids: the frames never need them (millions of simulated requests)."""
+    return replay(
+        engine,
+        workload,
+        clock,
+        progress=cfg.run.progress,
+        max_stall_steps=cfg.run.stall_steps,
+        keep_outputs=False,
+    )
+
+
 def _replay_meta(workload: Workload, raw: RawRun, spec: ModelSpec, compute_dtype: str) -> dict[str, Any]:
     """The run.json facts every replay records, live or not: the workload as replayed,
     the replay's duration and step count, and the weights' dtype and bytes. Pure."""
@@ -450,14 +455,7 @@ def _measure_live(
         )
         sampler = MemorySampler(interval_s=cfg.run.memory_interval_s, device_index=0)
         with sampler, scraper:
-            raw = replay(
-                engine,
-                workload,
-                clock,
-                progress=cfg.run.progress,
-                max_stall_steps=cfg.run.stall_steps,
-                keep_outputs=False,
-            )
+            raw = _replay(cfg, engine, workload, clock)
         server_failure = engine.server_failure()
     finally:
         engine.close()

@@ -20,6 +20,7 @@ full conversation trace holds 145M prompt tokens, ~5 GB as tuples of Python ints
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -191,8 +192,35 @@ def scaled_block_lengths(record: TraceRecord, length_scale: float) -> np.ndarray
     return lengths
 
 
+class _IdsWhenRead(ABC):
+    """``ComputedTokenIds``' reads for a prompt that holds ``num_tokens`` and makes its
+    ids on every read."""
+
+    num_tokens: int
+
+    @abstractmethod
+    def _make_ids(self) -> np.ndarray:
+        """The ids as a new int32 array [num_tokens]. Pure."""
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def ids(self) -> np.ndarray:
+        """The ids: a new read-only int32 array [num_tokens] (vocabularies are far below 2**31)."""
+        ids = self._make_ids()
+        ids.flags.writeable = False
+        return ids
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.ids()[index]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        ids = self.ids()
+        return ids if dtype is None else ids.astype(dtype)
+
+
 @dataclass(frozen=True, eq=False)
-class HashBlockPrompt:
+class HashBlockPrompt(_IdsWhenRead):
     """A Mooncake prompt as ``ComputedTokenIds``: the ids of its hash blocks (block ``b``:
     ``lengths[b]`` ids keyed by the seed and its hash id, offsets from 0;
     ``keyed_token_ids``), computed when read. Two prompts sharing a hash-id prefix
@@ -208,22 +236,10 @@ class HashBlockPrompt:
     vocab_size: int
     num_tokens: int
 
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    def ids(self) -> np.ndarray:
-        """The ids: a new read-only int32 array [num_tokens] (vocabularies are far below 2**31)."""
+    def _make_ids(self) -> np.ndarray:
         ids = np.empty(self.num_tokens, dtype=np.int32)
         keyed_block_ids_into(self.bases, self.lengths, self.vocab_size, ids)
-        ids.flags.writeable = False
         return ids
-
-    def __getitem__(self, index: int | slice) -> Any:
-        return self.ids()[index]
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        ids = self.ids()
-        return ids if dtype is None else ids.astype(dtype)
 
     def __repr__(self) -> str:
         return f"HashBlockPrompt({self.num_tokens} ids in {len(self.lengths)} blocks)"
@@ -269,7 +285,7 @@ def _hash_id_prompts(
 
 
 @dataclass(frozen=True, eq=False)
-class RandomPrompt:
+class RandomPrompt(_IdsWhenRead):
     """A length-only trace record's prompt (Azure, BurstGPT) as ``ComputedTokenIds``:
     ``num_tokens`` ids drawn from the record's own stream (``random_token_ids`` of
     ``derive_rng(seed, STREAM_TOKENS, line)``), computed when read. Holds four ints
@@ -286,22 +302,9 @@ class RandomPrompt:
     def __post_init__(self) -> None:
         check_stream_words((self.seed, STREAM_TOKENS, 1, self.line))  # derive_rng's words, now
 
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    def ids(self) -> np.ndarray:
-        """The ids: a new read-only int32 array [num_tokens] (vocabularies are far below 2**31)."""
+    def _make_ids(self) -> np.ndarray:
         rng = derive_rng(self.seed, STREAM_TOKENS, self.line)
-        ids = random_token_ids(rng, self.num_tokens, self.vocab_size).astype(np.int32)
-        ids.flags.writeable = False
-        return ids
-
-    def __getitem__(self, index: int | slice) -> Any:
-        return self.ids()[index]
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        ids = self.ids()
-        return ids if dtype is None else ids.astype(dtype)
+        return random_token_ids(rng, self.num_tokens, self.vocab_size).astype(np.int32)
 
     def __repr__(self) -> str:
         return f"RandomPrompt({self.num_tokens} ids of line {self.line})"
