@@ -538,7 +538,14 @@ class _CoveredTokens:
         ends = np.array(end_objects, dtype=np.float64)
         first_end = np.cumsum(steps_per_run) - steps_per_run  # each run's offset in ends
         # Per (run, batch sequence) pair: its request (a position in `order`), run, sample.
-        codes, order = pd.Index(list(itertools.chain.from_iterable(ids for ids, _, _ in runs))).factorize()
+        # Object dtype: pandas hashes the ids' own str objects (hashes cached); its default
+        # string dtype would first copy ~100 ids a run into an Arrow array.
+        pair_ids = np.fromiter(
+            itertools.chain.from_iterable(ids for ids, _, _ in runs),
+            dtype=object,
+            count=int(seqs_per_run.sum()),
+        )
+        codes, order = pd.factorize(pair_ids)
         samples = np.fromiter(
             itertools.chain.from_iterable(indexes for _, indexes, _ in runs), np.int64, len(codes)
         )

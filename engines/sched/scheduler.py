@@ -1223,7 +1223,12 @@ class Scheduler:
 
     def num_running_seqs(self) -> int:
         """Sequences of the running groups now (a step's ``num_running``). Pure."""
-        return sum(map(len, map(_SEQS_OF, self.running)))
+        running = self.running
+        # The sequence budget equals the group count only when every running group runs
+        # one sample (as in decode_batch): its one live sequence (a done group retires).
+        if self._seq_budget_used == len(running):
+            return len(running)
+        return sum(map(len, map(_SEQS_OF, running)))
 
     def pop_finished(self) -> list[FinishedRequest]:
         """Requests completed since the last call (clears the list)."""
@@ -1298,7 +1303,7 @@ class Scheduler:
         Every attached sequence of a running or swapped group holds exactly its computed
         tokens' slots; a detached one (see ``_attach``) holds nothing, has computed nothing
         and is not the leader; waiting groups hold none; the sequence budget matches the
-        running groups.
+        running groups, and ``num_running_seqs`` their live sequences.
         """
         kv = self.kv
         for queue, status in ((self.running, GroupStatus.RUNNING), (self.swapped, GroupStatus.SWAPPED)):
@@ -1331,6 +1336,10 @@ class Scheduler:
                 )
         num_seqs = sum(group.num_samples for group in self.running)
         assert num_seqs == self._seq_budget_used, f"sequence budget {self._seq_budget_used} != {num_seqs}"
+        num_live = sum(len(group.seqs) for group in self.running)
+        assert self.num_running_seqs() == num_live, (
+            f"num_running_seqs {self.num_running_seqs()} != {num_live} live running sequences"
+        )
 
     def group_of(self, seq_id: int) -> SequenceGroup:
         """The group owning a live sequence; KeyError naming the id otherwise."""
