@@ -449,9 +449,8 @@ class Scheduler:
         if self._pending_rejections or self.swapped or not self.running or self._prepared is not None:
             return None
         running = self.running
-        # The sequence budget equals the group count only when every group runs one sample
-        # (no beam, no parallel samples): then no group needs checking.
-        if self._seq_budget_used != len(running) and any(
+        # Only when some group runs several samples does any group need checking.
+        if not self._single_samples() and any(
             [group.is_beam or (group.num_samples > 1 and not group.has_forked) for group in running]
         ):
             return None
@@ -528,9 +527,8 @@ class Scheduler:
         Mutates the sequences, the prefix index (commit) and those groups' peaks."""
         kv = self.kv
         committing = np.flatnonzero(commit_phases == step % kv.commit_interval).tolist()
-        # Only a group of several samples can shrink; the sequence budget equals the group
-        # count only when every group runs one sample (as in decode_batch).
-        if committing and self._seq_budget_used != len(self.running):
+        # Only a group of several samples can shrink.
+        if committing and not self._single_samples():
             seq_groups = self._seqs
             shared = {
                 id(group): group
@@ -1223,12 +1221,15 @@ class Scheduler:
 
     def num_running_seqs(self) -> int:
         """Sequences of the running groups now (a step's ``num_running``). Pure."""
-        running = self.running
-        # The sequence budget equals the group count only when every running group runs
-        # one sample (as in decode_batch): its one live sequence (a done group retires).
-        if self._seq_budget_used == len(running):
-            return len(running)
-        return sum(map(len, map(_SEQS_OF, running)))
+        if self._single_samples():
+            return len(self.running)  # each group's one live sequence (a done group retires)
+        return sum(map(len, map(_SEQS_OF, self.running)))
+
+    def _single_samples(self) -> bool:
+        """Whether every running group runs one sample (no beam, no parallel samples): the
+        sequence budget, num_samples summed over the groups (each at least 1), then equals
+        the group count. O(1), for the per-step paths. Pure."""
+        return self._seq_budget_used == len(self.running)
 
     def pop_finished(self) -> list[FinishedRequest]:
         """Requests completed since the last call (clears the list)."""
