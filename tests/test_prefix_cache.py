@@ -15,7 +15,14 @@ from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import NO_MATCH, BlockHashPrefixIndex, NullPrefixIndex, PrefixIndex
 from kvbench.engines.kv.radix_cache import RadixPrefixIndex
-from kvbench.engines.kv.token_ids import ArrayTokenIds, BlockKeyChain, KeyedTokenIds, TokenPrefix
+from kvbench.engines.kv.token_ids import (
+    ArrayTokenIds,
+    BlockKeyChain,
+    KeyedTokenIds,
+    TokenPrefix,
+    TokenSpan,
+    id_list,
+)
 
 BS = 4
 
@@ -308,6 +315,16 @@ def test_array_token_ids_read_like_the_list(prompt, appended, probes, cuts):
         copy.append(1)
         assert ids == reference and copy == reference + [1] and copy != ids
     assert TokenPrefix(ids, len(reference)) == reference and ids == TokenPrefix(reference, len(reference))
+    # id_list (the registrations' block slices) equals slicing, for every form and range.
+    n = len(reference)
+    keyed = KeyedTokenIds(reference)
+    for start in range(n + 1):
+        for stop in range(start, n + 1):
+            expected = reference[start:stop]
+            for tokens in (ids, keyed, reference):
+                assert id_list(tokens, start, stop) == expected
+                assert id_list(TokenPrefix(tokens, stop), start, stop) == expected
+                assert id_list(TokenSpan(tokens, start, n), 0, stop - start) == expected
 
 
 def test_hash_index_compares_the_second_lane_on_a_hash_hit():

@@ -347,25 +347,24 @@ def allocate_steps_registering(
     block_hash,
     block_check,
     multipliers,
-    entry_steps,
+    entries,
     tokens,
     lanes,
-    entry_rows,
-    positions,
-    block_ids,
 ):  # pragma: no cover - compiled
-    """``allocate_steps`` with registrations after each step: after step ``t``'s blocks
-    are taken, entries ``e`` with ``entry_steps[e] == t`` (ascending) are keyed and
-    registered in order (``commit_many`` is one step with no blocks taken). Entry ``e``
-    keys block ``block_ids[e]``, block ``positions[e]`` of its sequence, from ``tokens[e
-    * bs : (e + 1) * bs]`` as ``kvbench.hashing.chained_block_keys_into`` keys it,
-    chained from row ``entry_rows[e]`` of ``lanes`` (uint64 [rows, 2]: each sequence's
-    last key, updated as its entries are keyed, so a sequence's entries chain in order),
+    """``allocate_steps`` with registrations after each step. ``entries`` int64
+    [entries, 4]: per entry its step, row, position and block (one array: each argument
+    costs a type check per call, and the decode path calls this once per step or span).
+    After step ``t``'s blocks are taken, entries ``e`` of step ``t`` (steps ascending) are
+    keyed and registered in order (``commit_many`` is one step with no blocks taken).
+    Entry ``e`` keys its block, block ``position`` of its sequence, from ``tokens[e * bs :
+    (e + 1) * bs]`` as ``kvbench.hashing.chained_block_keys_into`` keys it, chained from
+    its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated as its
+    entries are keyed, so a sequence's entries chain in order),
     and registers it as a ``register_run`` call of its own would: flagged cached at once
     (a later entry sees it), the table rebuilt when half full. Returns
     ``allocate_steps``' three arrays, the entries' keys uint64 [entries, 2] and how many
     blocks were registered."""
-    num_entries = entry_steps.shape[0]
+    num_entries = entries.shape[0]
     out, reused, reused_per_step = _step_buffers(needs)
     entry_keys = np.empty((num_entries, 2), dtype=np.uint64)
     at = 0
@@ -377,16 +376,16 @@ def allocate_steps_registering(
         reused_per_step[t] = n
         at += needs[t]
         k += n
-        while e < num_entries and entry_steps[e] == t:
-            row = entry_rows[e]
-            term_a, term_b = block_key_terms(tokens, e * multipliers.shape[0], multipliers, positions[e])
+        while e < num_entries and entries[e, 0] == t:
+            row = entries[e, 1]
+            term_a, term_b = block_key_terms(tokens, e * multipliers.shape[0], multipliers, entries[e, 2])
             h = lanes[row, 0] + term_a
             check = lanes[row, 1] + term_b
             lanes[row, 0] = h
             lanes[row, 1] = check
             entry_keys[e, 0] = h
             entry_keys[e, 1] = check
-            b = block_ids[e]
+            b = entries[e, 3]
             if _enter(keys, vals, used, st, block_hash, block_check, h, check, b):
                 _set_cached(st, counts, b)
                 registered += 1

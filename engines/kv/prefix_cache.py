@@ -28,7 +28,7 @@ import numpy as np
 
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
-from kvbench.engines.kv.token_ids import BlockKeyChain, KeyCarrier
+from kvbench.engines.kv.token_ids import BlockKeyChain, KeyCarrier, id_list
 from kvbench.hashing import block_multipliers
 
 # ``PrefixIndex.commit_many``'s entries: (seq_id, token_ids, block_ids, extra_key), as ``commit`` takes them.
@@ -251,20 +251,19 @@ class _SeqHashState:
 
 class _StepRegistrations:
     """Decode-block registrations gathered for ``native.allocate_steps_registering``: per
-    entry its step, its sequence's row, its block's position and id (``places``, flat
-    pairs) and ids (``tokens``, ``block_size`` each); per row (sequence, in first-seen
-    order) its state, chain, last key (``lanes``, flat pairs) and entries so far."""
+    entry its step, its sequence's row, its block's position and id (``entries``, flat
+    quadruples) and ids (``tokens``, ``block_size`` each); per row (sequence, in
+    first-seen order) its state, chain, last key (``lanes``, flat pairs) and entries so far."""
 
-    __slots__ = ("rows", "states", "num_entries", "lanes", "entry_steps", "entry_rows", "places", "tokens")
+    __slots__ = ("block_size", "rows", "states", "num_entries", "lanes", "entries", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.rows: dict[int, int] = {}  # seq id -> row
         self.states: list[tuple[_SeqHashState, BlockKeyChain]] = []
         self.num_entries: list[int] = []
         self.lanes: list[int] = []
-        self.entry_steps: list[int] = []
-        self.entry_rows: list[int] = []
-        self.places: list[int] = []
+        self.entries: list[int] = []
         self.tokens: list[int] = []
 
     def add(
@@ -277,19 +276,19 @@ class _StepRegistrations:
         block: int,
         token_ids: Sequence[int],
     ) -> None:
-        """One entry: block ``block`` at ``position`` of ``seq_id``, ids ``token_ids``,
-        registered after step ``step``."""
+        """One entry: block ``block`` at ``position`` of ``seq_id`` (whose ids ``token_ids``
+        fill it), registered after step ``step``."""
         row = self.rows.get(seq_id)
         if row is None:
             row = self.rows[seq_id] = len(self.states)
             self.states.append((state, chain))
-            self.num_entries.append(0)
+            self.num_entries.append(1)
             self.lanes += chain.last_key
-        self.num_entries[row] += 1
-        self.entry_steps.append(step)
-        self.entry_rows.append(row)
-        self.places += (position, block)
-        self.tokens += token_ids
+        else:
+            self.num_entries[row] += 1
+        self.entries += (step, row, position, block)
+        start = position * self.block_size
+        self.tokens += id_list(token_ids, start, start + self.block_size)
 
 
 _NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
@@ -531,7 +530,7 @@ class BlockHashPrefixIndex:
         (registration order decides which of two equal keys wins)."""
         bs = self._block_size
         seqs = self._seqs
-        batch = _StepRegistrations()
+        batch = _StepRegistrations(bs)
         for seq_id, token_ids, block_ids, extra_key in entries:
             state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
             first = state.num_blocks
@@ -546,13 +545,11 @@ class BlockHashPrefixIndex:
                 and len(block_ids) > first
                 and seq_id not in batch.rows  # a second entry would key from a stale state
             ):
-                batch.add(
-                    0, seq_id, state, chain, first, block_ids[first], token_ids[first * bs : num_full * bs]
-                )
+                batch.add(0, seq_id, state, chain, first, block_ids[first], token_ids)
                 continue
             if batch.rows:
                 self._register_in_steps(_NO_NEEDS, batch)
-                batch = _StepRegistrations()
+                batch = _StepRegistrations(bs)
             self.commit(seq_id, token_ids, block_ids, extra_key)
         if batch.rows:
             self._register_in_steps(_NO_NEEDS, batch)
@@ -574,7 +571,7 @@ class BlockHashPrefixIndex:
             )
         bs = self._block_size
         seqs = self._seqs
-        steps = _StepRegistrations()
+        steps = _StepRegistrations(bs)
         for step, entries in enumerate(commits):
             for seq_id, token_ids, block_ids, _ in entries:
                 row = steps.rows.get(seq_id)
@@ -592,9 +589,7 @@ class BlockHashPrefixIndex:
                     continue  # no new full block
                 if num_full != first + 1 or first >= len(block_ids):
                     return None
-                steps.add(
-                    step, seq_id, state, chain, first, block_ids[first], token_ids[first * bs : num_full * bs]
-                )
+                steps.add(step, seq_id, state, chain, first, block_ids[first], token_ids)
         return self._register_in_steps(needs, steps)
 
     def _register_in_steps(
@@ -607,7 +602,6 @@ class BlockHashPrefixIndex:
         Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index and chains."""
         pool = self._bound_pool()
         self._version += 1
-        where = np.array(steps.places, dtype=np.int64).reshape(-1, 2)  # [entries, 2]: position, block
         taken, reused, reused_per_step, keys, registered = native.allocate_steps_registering(
             pool.state,
             pool.counts,
@@ -618,16 +612,13 @@ class BlockHashPrefixIndex:
             self._block_hash,
             self._block_check,
             block_multipliers(self._block_size),
-            np.array(steps.entry_steps, dtype=np.int64),
+            np.array(steps.entries, dtype=np.int64).reshape(-1, 4),  # [entries, 4]
             np.array(steps.tokens, dtype=np.int64),
-            np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2),
-            np.array(steps.entry_rows, dtype=np.int64),
-            where[:, 0],
-            where[:, 1],
+            np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2),  # [rows, 2]
         )
         self._num_registered += registered
         states = steps.states
-        for row, (lane_0, lane_1) in zip(steps.entry_rows, keys.tolist()):
+        for row, (lane_0, lane_1) in zip(steps.entries[1::4], keys.tolist()):
             state, chain = states[row]
             chain.append_key(lane_0, lane_1)
             state.num_blocks += 1

@@ -173,6 +173,24 @@ def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
     return np.asarray(token_ids[start:stop], dtype=np.int64)
 
 
+def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
+    """Ids ``[start, stop)`` of ``token_ids`` (``0 <= start <= stop <= len``) as a list,
+    equal to ``token_ids[start:stop]``: a decode block's ids are one slice of an
+    ``ArrayTokenIds``' appended tail or of a list, also through a view (registering
+    decode blocks slices once per block; the views' own slicing re-checks the range
+    twice)."""
+    tokens = token_ids
+    if isinstance(tokens, TokenSpan):
+        tokens = tokens._tokens
+        start += token_ids._start
+        stop += token_ids._start
+    if isinstance(tokens, ArrayTokenIds):
+        num_array = tokens._num_array
+        if start >= num_array:
+            return tokens.tail[start - num_array : stop - num_array]
+    return tokens[start:stop]
+
+
 class KeyCarrier:
     """Token ids that carry their ``BlockKeyChain`` (``KeyedTokenIds``, ``ArrayTokenIds``).
 
