@@ -4,20 +4,15 @@ itself, and one real cachegrind run where valgrind is installed (CI installs it)
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bench_modules import BENCHMARKS, load_benchmark_module
 
-_PATH = Path(__file__).resolve().parent / "benchmarks" / "instructions.py"
-_SPEC = importlib.util.spec_from_file_location("instructions", _PATH)
-assert _SPEC is not None and _SPEC.loader is not None
-instructions = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = instructions  # dataclasses resolve their module by name
-_SPEC.loader.exec_module(instructions)
+instructions = load_benchmark_module("instructions")
+_PATH = BENCHMARKS / "instructions.py"
 
 # The end of a cachegrind run's stderr (valgrind 3.19, --cache-sim=no), as captured.
 _CACHEGRIND_TAIL = """==3515== Cachegrind, a cache and branch-prediction profiler

@@ -4,19 +4,12 @@ its refusals. A settable clock makes each variant's time exact."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from bench_modules import load_benchmark_module
 
-_PATH = Path(__file__).resolve().parent / "benchmarks" / "rounds.py"
-_SPEC = importlib.util.spec_from_file_location("rounds", _PATH)
-assert _SPEC is not None and _SPEC.loader is not None
-rounds = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = rounds  # dataclasses resolve their module by name
-_SPEC.loader.exec_module(rounds)
+rounds = load_benchmark_module("rounds")
 
 
 class Ticks:
