@@ -158,19 +158,11 @@ class BlockKeyChain:
 def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
     """Ids ``[start, stop)`` of ``token_ids`` as a numpy array: a slice of an
     ``ArrayTokenIds``' prompt array (directly or through a view) when the range lies in
-    it, else a copy (for a decode block, of its appended tail only)."""
-    tokens, offset = token_ids, 0
-    if isinstance(tokens, TokenSpan):
-        tokens, offset = tokens._tokens, tokens._start
-    if isinstance(tokens, ArrayTokenIds):
-        array = tokens.array
-        start += offset
-        stop += offset
-        if stop <= len(array):
-            return array[start:stop]
-        if start >= len(array):
-            return np.array(tokens.tail[start - len(array) : stop - len(array)], dtype=np.int64)
-    return np.asarray(token_ids[start:stop], dtype=np.int64)
+    it, else a copy (``id_list``: for a decode block, of its appended tail only)."""
+    tokens, first, last = _unwrapped(token_ids, start, stop)
+    if isinstance(tokens, ArrayTokenIds) and last <= tokens._num_array:
+        return tokens.array[first:last]
+    return np.array(id_list(token_ids, start, stop), dtype=np.int64)
 
 
 def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
@@ -179,16 +171,18 @@ def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
     ``ArrayTokenIds``' appended tail or of a list, also through a view (registering
     decode blocks slices once per block; the views' own slicing re-checks the range
     twice)."""
-    tokens = token_ids
-    if isinstance(tokens, TokenSpan):
-        tokens = tokens._tokens
-        start += token_ids._start
-        stop += token_ids._start
-    if isinstance(tokens, ArrayTokenIds):
-        num_array = tokens._num_array
-        if start >= num_array:
-            return tokens.tail[start - num_array : stop - num_array]
+    tokens, start, stop = _unwrapped(token_ids, start, stop)
+    if isinstance(tokens, ArrayTokenIds) and start >= tokens._num_array:
+        return tokens.tail[start - tokens._num_array : stop - tokens._num_array]
     return tokens[start:stop]
+
+
+def _unwrapped(token_ids: Sequence[int], start: int, stop: int) -> tuple[Sequence[int], int, int]:
+    """The ids a ``TokenSpan`` views and the range ``[start, stop)`` of the span in them;
+    any other ids as they are. Pure."""
+    if isinstance(token_ids, TokenSpan):
+        return token_ids._tokens, start + token_ids._start, stop + token_ids._start
+    return token_ids, start, stop
 
 
 class KeyCarrier:

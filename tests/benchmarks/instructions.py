@@ -81,24 +81,24 @@ def parse_steps(stdout: str, num_replays: int) -> int:
     """The step count every replay of one process printed; ValueError when the replays
     took different steps (the engine is not deterministic) or printed none."""
     steps = [int(line[len(_STEPS_LINE) :]) for line in stdout.splitlines() if line.startswith(_STEPS_LINE)]
-    if len(steps) != num_replays or len(set(steps)) > 1:
+    if not steps or len(steps) != num_replays or len(set(steps)) > 1:
         raise ValueError(f"replays printed steps {steps}, expected {num_replays} equal counts")
-    return steps[0] if steps else 0
+    return steps[0]
 
 
-def _workload_and_context(workload: str, num_requests: int, seed: int):
+def _context_and_workload(workload: str, num_requests: int):
     """The benchmarks' context and workload (sim_setup.py): ShareGPT-like traffic at 8K
     context, or the first ``num_requests`` of the Mooncake conversation trace at 128K."""
     from sim_setup import llama3_70b_fp8_on_h200, sharegpt_like
 
     if workload == "sharegpt":
         ctx = llama3_70b_fp8_on_h200()
-        return ctx, sharegpt_like(num_requests, ctx.spec.vocab_size, seed=seed)
+        return ctx, sharegpt_like(num_requests, ctx.spec.vocab_size, seed=0)
     from kvbench.workloads.traces import load_trace
 
     ctx = llama3_70b_fp8_on_h200(max_positions=131072)
     trace = load_trace(
-        "mooncake_conversation", vocab_size=ctx.spec.vocab_size, seed=seed, max_requests=num_requests
+        "mooncake_conversation", vocab_size=ctx.spec.vocab_size, seed=0, max_requests=num_requests
     )
     return ctx, trace
 
@@ -106,10 +106,10 @@ def _workload_and_context(workload: str, num_requests: int, seed: int):
 def replay_in_process(workload: str, num_requests: int, prefix_cache: str, num_replays: int) -> None:
     """The measured process: warm up, stop the garbage collector, replay ``num_replays``
     times (a fresh engine each), printing each replay's step count."""
-    from sim_setup import replay_all_answered, sim_engine
+    from sim_setup import replay_all_answered, sharegpt_like, sim_engine
 
-    ctx, requests = _workload_and_context(workload, num_requests, seed=0)
-    _, warmup = _workload_and_context("sharegpt", WARMUP_REQUESTS, seed=1)
+    ctx, requests = _context_and_workload(workload, num_requests)
+    warmup = sharegpt_like(WARMUP_REQUESTS, ctx.spec.vocab_size, seed=1)
     replay_all_answered(sim_engine(ctx, prefix_cache=prefix_cache), warmup)
     gc.collect()
     gc.disable()
