@@ -391,6 +391,10 @@ def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
                 memo.block_ids,
                 memo.num_blocks_taken,
             )
+            # The array the manager attaches with is the memo's own: the same blocks.
+            for found in (memo, fresh, again):
+                array = found.block_id_array()
+                assert array.dtype == np.int64 and array.tolist() == list(found.block_ids)
     m.check()
 
 

@@ -93,7 +93,7 @@ class BlockPool:
         self._cached_at = memoryview(st[CACHED])
         # NUM_FREE, NUM_CACHED_FREE, NUM_RECLAIMABLE, REF_VERSION.
         self._counts = np.array([num_blocks, 0, 0, 0], dtype=np.int64)
-        self._reuse_listener: Callable[[list[int]], None] | None = None
+        self._reuse_listener: Callable[[np.ndarray], None] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -168,13 +168,13 @@ class BlockPool:
         return len(head)
 
     @property
-    def reuse_listener(self) -> Callable[[list[int]], None] | None:
+    def reuse_listener(self) -> Callable[[np.ndarray], None] | None:
         return self._reuse_listener
 
     # ------------------------------------------------------------------ mutations
-    def set_reuse_listener(self, listener: Callable[[list[int]], None] | None) -> None:
+    def set_reuse_listener(self, listener: Callable[[np.ndarray], None] | None) -> None:
         """Called with the ids of the cached-free blocks an ``allocate``/``allocate_many`` call
-        reused, in allocation order, after they left the free list (one listener)."""
+        reused (int64 [reused], in allocation order), after they left the free list (one listener)."""
         if listener is not None and self._reuse_listener is not None:
             raise ValueError("BlockPool: a reuse listener is already set (one prefix index per pool)")
         # None clears it (a profiler may then wrap the old one).
@@ -190,7 +190,7 @@ class BlockPool:
             raise MemoryError(f"BlockPool: no free block (num_blocks={self.num_blocks})")
         b, was_cached = native.allocate_one(self._st, self._counts)
         if was_cached and self._reuse_listener is not None:
-            self._reuse_listener([b])
+            self._reuse_listener(np.array([b], dtype=np.int64))
         return b
 
     def allocate_many(self, num_blocks: int) -> list[int]:
@@ -229,7 +229,7 @@ class BlockPool:
         the free list to be overwritten: for callers whose compiled loops pop blocks
         themselves (``native.allocate_steps_registering``)."""
         if len(reused) and self._reuse_listener is not None:
-            self._reuse_listener(reused.tolist())
+            self._reuse_listener(reused)
 
     def incref(self, block_id: int) -> None:
         """Add one (hard) reference. A free block leaves the free list (a cached block is

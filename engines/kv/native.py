@@ -298,6 +298,17 @@ def lookup_run(keys, vals, st, block_hash, block_check, hashes, checks, start, s
 
 
 @njit(cache=True, nogil=True)
+def first_dropped(dropped_at, block_ids, stop, since):  # pragma: no cover - compiled
+    """The first position ``i < stop`` of ``block_ids`` whose block's drop stamp
+    (``dropped_at[b]``: the drop count just after its latest drop) exceeds ``since``,
+    else ``stop``: how much of a match memo taken at drop count ``since`` still stands."""
+    for i in range(stop):
+        if dropped_at[block_ids[i]] > since:
+            return i
+    return stop
+
+
+@njit(cache=True, nogil=True)
 def register_run(keys, vals, used, st, counts, block_hash, block_check, hashes, checks, block_ids, start):
     """Register block ``block_ids[j - start]`` under key ``j`` for ``j`` in ``start ..
     start + len(block_ids)``, unless a live entry already holds the key (the first

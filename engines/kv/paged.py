@@ -247,7 +247,7 @@ class PagedKVManager(SeqTable):
             )
         self.prefix_index.acquire(seq_id, match)
         # References first: revives cached-free blocks before any allocation can evict them.
-        matched = np.array(match.block_ids, dtype=np.int64)  # converted once, for both
+        matched = match.block_id_array()
         self.pool.incref_many(matched)
         self._add_seq_refs(matched)
         seq = _Seq(list(match.block_ids), match.num_tokens, extra_key)

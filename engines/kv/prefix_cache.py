@@ -21,7 +21,7 @@ Who holds what (the manager and the index share one ``BlockPool``):
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -44,13 +44,23 @@ class PrefixMatch:
     ``num_blocks_taken`` is how many blocks attaching the match removes from what new
     allocations can draw on (cached-free blocks revived from the free list, reclaimable
     blocks pinned by locks); the manager subtracts it when checking capacity.
-    ``handle`` is private to the index that produced the match.
+    ``handle`` is private to the index that produced the match. ``block_array``: the
+    index's own int64 copy of ``block_ids`` when it keeps one (read only), else None; read
+    it through ``block_id_array``.
     """
 
     num_tokens: int
     block_ids: tuple[int, ...]
     num_blocks_taken: int = 0
     handle: Any = None
+    block_array: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def block_id_array(self) -> np.ndarray:
+        """``block_ids`` as int64 [len(block_ids)]: the index's array when it gave one (do
+        not write to it), else a new one. Pure."""
+        if self.block_array is not None:
+            return self.block_array
+        return np.array(self.block_ids, dtype=np.int64)
 
 
 NO_MATCH = PrefixMatch(num_tokens=0, block_ids=())
@@ -236,7 +246,6 @@ class NullPrefixIndex:
 # kept: a 128-bit key makes a false hit as unlikely as in vLLM's hashed keys.
 _SLOTS_PER_BLOCK = 4  # hash table slots per pool block (a power of two at least this)
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
-_DROP_LOG_LENGTH = 1 << 16  # dropped blocks remembered for match memos
 
 
 class _SeqHashState:
@@ -327,11 +336,11 @@ class BlockHashPrefixIndex:
         self._num_registered = 0
         self._seqs: dict[int, _SeqHashState] = {}
         self._num_evicted_blocks = 0
-        # Recently dropped blocks, for match memos: drop number _drop_log_start + i dropped
-        # _drop_log[i]. Cleared when long (older memos are walked again).
+        # Registrations dropped so far, and per block the count just after its latest drop
+        # (0: never dropped): a match memo taken at count n lost block b iff
+        # _dropped_at[b] > n.
         self._num_drops = 0
-        self._drop_log: list[int] = []
-        self._drop_log_start = 0
+        self._dropped_at = np.zeros(0, dtype=np.int64)  # [num_blocks]
         # Bumped by every registration call and every drop: while unchanged (and the pool's
         # ref_version too), a chain's memoised match is still the answer (match).
         self._version = 0
@@ -349,6 +358,7 @@ class BlockHashPrefixIndex:
         self._vals = np.full(num_slots, native.EMPTY, dtype=np.int32)
         self._block_hash = np.zeros(pool.num_blocks, dtype=np.uint64)
         self._block_check = np.zeros(pool.num_blocks, dtype=np.uint64)
+        self._dropped_at = np.zeros(pool.num_blocks, dtype=np.int64)
         pool.set_reuse_listener(self._on_blocks_reused)
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
@@ -356,10 +366,9 @@ class BlockHashPrefixIndex:
         the sequence's key chain and revalidates the memo cheaply:
 
         - memoised blocks stay registered under the same keys unless one was dropped
-          (registrations are only dropped when the pool reuses a block). Drops since the
-          memo are read from the drop log and placed through a block -> position dict
-          (O(drops), usually none); the memo is cut at the first dropped position. When
-          the log no longer reaches back that far, the memo is dropped and walked again.
+          (registrations are only dropped when the pool reuses a block). When any block
+          was dropped since the memo, the memo is cut at the first block whose latest
+          drop came after it (``native.first_dropped``: O(memo) compiled).
         - the count of unreferenced matched blocks stays valid while the pool's
           ``ref_version`` is unchanged and no matched block was dropped.
         - only the walk past the memo reads the hash table (compiled): O(new blocks).
@@ -376,7 +385,7 @@ class BlockHashPrefixIndex:
         ):
             # Nothing it read changed: the memo's answer (as built at the end).
             blocks = chain.match_blocks
-            return PrefixMatch(len(blocks) * bs, blocks, chain.match_num_taken, handle=chain)
+            return PrefixMatch(len(blocks) * bs, blocks, chain.match_num_taken, chain, chain.match_array)
         blocks: tuple[int, ...] = ()
         array = _NO_BLOCKS  # blocks as int64 [len(blocks)], for the compiled counts
         num_taken: int | None = 0
@@ -385,16 +394,7 @@ class BlockHashPrefixIndex:
             num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else None
             valid = min(len(blocks), num_full)
             if valid and self._num_drops != chain.match_num_drops:
-                first_logged = chain.match_num_drops - self._drop_log_start
-                if first_logged < 0:
-                    valid = 0  # the log no longer reaches back: walk again
-                else:
-                    index = chain.match_block_index
-                    if index is None:
-                        index = chain.match_block_index = dict(zip(blocks, range(len(blocks))))
-                    hits = list(filter(index.__contains__, self._drop_log[first_logged:]))
-                    if hits:
-                        valid = min(valid, *map(index.__getitem__, hits))
+                valid = native.first_dropped(self._dropped_at, array, valid, chain.match_num_drops)
             if valid < len(blocks):
                 index = chain.match_block_index
                 if index is not None:
@@ -437,7 +437,7 @@ class BlockHashPrefixIndex:
         if not blocks:
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
             return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
-        return PrefixMatch(len(blocks) * bs, blocks, num_taken, handle=chain)
+        return PrefixMatch(len(blocks) * bs, blocks, num_taken, chain, array)
 
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
@@ -664,6 +664,9 @@ class BlockHashPrefixIndex:
         assert num_live == self._num_registered == sum(map(pool.is_cached, range(pool.num_blocks))), (
             f"{num_live} live hash table entries, {self._num_registered} registrations counted"
         )
+        assert int(self._dropped_at.max(initial=0)) <= self._num_drops, (
+            f"a drop stamp {int(self._dropped_at.max())} after the {self._num_drops} drops counted"
+        )
 
     # ------------------------------------------------------------------ extras
     @property
@@ -671,19 +674,16 @@ class BlockHashPrefixIndex:
         """Blocks registered in the hash map (in use or cached-free)."""
         return self._num_registered
 
-    def _on_blocks_reused(self, block_ids: list[int]) -> None:
+    def _on_blocks_reused(self, block_ids: np.ndarray) -> None:
         # The pool is about to overwrite these cached-free blocks (lazy eviction). It has
         # already cleared their cached flags, which kills their hash map entries: no
-        # per-block work here (9M blocks on the full Mooncake trace).
-        self._num_registered -= len(block_ids)
-        self._num_evicted_blocks += len(block_ids)
-        self._num_drops += len(block_ids)
+        # per-block work here but the drop stamp (9M blocks on the full Mooncake trace).
+        num = len(block_ids)
+        self._num_registered -= num
+        self._num_evicted_blocks += num
+        self._num_drops += num
+        self._dropped_at[block_ids] = self._num_drops
         self._version += 1
-        log = self._drop_log
-        if len(log) > _DROP_LOG_LENGTH:
-            self._drop_log_start += len(log)
-            log.clear()
-        log.extend(block_ids)
 
     def _chain(self, token_ids: Sequence[int], extra_key: str | None) -> BlockKeyChain:
         """The key chain ``token_ids`` carries (a KeyCarrier), else a throwaway one."""

@@ -79,9 +79,8 @@ class BlockKeyChain:
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
         self.match_array = np.empty(0, dtype=np.int64)  # match_blocks as int64 [len(match_blocks)]
-        # match_blocks' positions by block id (built lazily, trimmed on truncation), so a
-        # drop is placed in O(1): decode steps evict a waiting head's cached prefix one
-        # block at a time from its tail (tables are freed tail first).
+        # match_blocks' positions by block id, for match_watch's membership tests (built
+        # lazily there, trimmed when the memo is cut).
         self.match_block_index: dict[int, int] | None = None
         self.match_num_taken = 0  # unreferenced blocks among match_blocks then
         self.match_ref_version = -1  # the pool's ref_version then
