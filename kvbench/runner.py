@@ -602,7 +602,10 @@ class StepsRecorder:
     different classes are aligned by column name at the end. Every ``chunk_steps`` steps
     the pending Python values become one chunk per column: np.array of a chunk and
     np.concatenate of the chunks give the dtype and values np.array gives the whole
-    column (int, float and bool promote the same piecewise). Mutates itself.
+    column (int, float and bool promote the same piecewise). A covered output's value
+    that stands for all its steps is kept once with its count and repeated by numpy in
+    the chunk: np.repeat of np.array of the values gives what np.array of the repeated
+    values gives (the same values, so the same dtype). Mutates itself.
     """
 
     def __init__(self, chunk_steps: int = STEPS_CHUNK) -> None:
@@ -611,6 +614,8 @@ class StepsRecorder:
         self._getter: Callable[[Any], tuple[Any, ...]] = tuple
         self._position: dict[str, int] = {}  # stats attribute path -> column index
         self._cells: list[list[Any]] = []  # [column] pending values, the earlier steps
+        # [column] (position in _cells[column], steps) of each value standing for several steps
+        self._repeats: list[list[tuple[int, int]]] = []
         self._rows: list[tuple[Any, ...]] = []  # pending full-width rows, the steps after _cells'
         self._num_pending = 0
 
@@ -632,8 +637,16 @@ class StepsRecorder:
         for index, values in enumerate(timing):
             cells[index].extend(values)
         varying = {self._position[path]: values for path, values in covered.columns.items()}
+        repeats = self._repeats
         for index, value in enumerate(self._getter(covered.template), start=len(STEP_COLUMNS)):
-            cells[index].extend(varying.get(index, repeat(value, num)))
+            column = cells[index]
+            values = varying.get(index)
+            if values is not None:
+                column.extend(values)
+                continue
+            if num != 1:  # 0 steps: repeated 0 times
+                repeats[index].append((len(column), num))
+            column.append(value)
         self._count(num)
 
     def frame(self) -> pd.DataFrame:
@@ -664,6 +677,7 @@ class StepsRecorder:
         self._getter = getter
         self._position = {path: index for index, path in enumerate(paths, start=len(STEP_COLUMNS))}
         self._cells = [[] for _ in range(width)]
+        self._repeats = [[] for _ in range(width)]
 
     def _count(self, num_steps: int) -> None:
         self._num_pending += num_steps
@@ -676,9 +690,16 @@ class StepsRecorder:
             return
         _extend_columns(self._cells, self._rows)
         self._rows = []
-        for chunks, values in zip(self._runs[-1][1], self._cells):
-            chunks.append(np.array(values))
+        for chunks, values, repeats in zip(self._runs[-1][1], self._cells, self._repeats):
+            column = np.array(values)
+            if repeats:
+                counts = np.ones(len(values), dtype=np.int64)
+                positions, lengths = zip(*repeats)
+                counts[list(positions)] = lengths
+                column = np.repeat(column, counts, axis=0)
+            chunks.append(column)
         self._cells = [[] for _ in self._cells]
+        self._repeats = [[] for _ in self._cells]
         self._num_pending = 0
 
 
