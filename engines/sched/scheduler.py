@@ -581,23 +581,24 @@ class Scheduler:
         self, pairs: list[tuple[SequenceGroup, Sequence]], token_rows: list[list[int]]
     ) -> list[list[tuple[int, SequenceOf[int]]]]:
         """``complete_decodes`` for consecutive steps taken together: ``token_rows[i]`` holds
-        the tokens sampled for ``pairs[i]``, one per step. Appends them and sets the
+        the tokens sampled for ``pairs[i]`` (in decode state, as ``decode_batch`` returns
+        them), one per step, every row as long. Appends them and sets the
         computed counts now; returns, per step, the commits it makes (``commit_many``
         entries: sequence id, the tokens written then; in pair order), for
         ``DecodeRun.advance_many`` to make right after that step's slots are reserved, so
         that the prefix index sees each step's drops before its registrations, as step by
         step. Mutates the sequences."""
         interval = self.kv.commit_interval
-        steps: list[list[tuple[int, SequenceOf[int]]]] = [
-            [] for _ in range(len(token_rows[0]) if token_rows else 0)
-        ]
+        num_steps = len(token_rows[0]) if token_rows else 0
+        steps: list[list[tuple[int, SequenceOf[int]]]] = [[] for _ in range(num_steps)]
         for (_, seq), row in zip(pairs, token_rows):
             tokens = seq.token_ids
-            first = len(tokens)
+            # Decode state: the sequence holds its computed tokens and one more.
+            first = seq.num_computed_tokens + 1
             tokens.extend(row)
-            for step in range(-first % interval, len(row), interval):
+            for step in range(-first % interval, num_steps, interval):
                 steps[step].append((seq.seq_id, TokenPrefix(tokens, first + step)))
-            seq.num_computed_tokens = len(tokens) - 1
+            seq.num_computed_tokens = first + num_steps - 1
         return steps
 
     def finish_decodes(
