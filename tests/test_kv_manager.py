@@ -16,6 +16,7 @@ from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
 from kvbench.engines.kv.protocol import KVCapacityError, KVOps
 from kvbench.engines.kv.radix_cache import RadixPrefixIndex
+from kvbench.engines.kv.token_ids import KeyedTokenIds
 from kvbench.types import KVUsage
 
 BS = 4
@@ -556,3 +557,21 @@ def test_match_watch_names_the_matched_blocks_unless_a_sequence_can_extend_the_m
     assert m.match_watch(whole, None, [1, 2]) is not None
     assert NullPrefixIndex().match_watch(head, None, [1]) == ()
     assert RadixPrefixIndex().match_watch(head, None, [1]) is None
+
+
+def test_match_watch_of_a_memoised_head_follows_its_growing_match():
+    """A head carrying its keys (KeyedTokenIds) keeps its match memo, and the watched
+    blocks with it: when a registration extends the match, the next watch names the new
+    block too."""
+    m = make(num_blocks=16)
+    prefill(m, 0, SYSTEM + [1, 2, 3, 4, 5])  # registers SYSTEM's 2 blocks + [1, 2, 3, 4]
+    m.free(0)
+    head = KeyedTokenIds(SYSTEM + [1, 2, 3, 4, 6, 6, 6, 6, 9])  # matches 3 blocks, wants a 4th
+    prefill(m, 1, [70] * 9)  # unrelated content
+    watch = m.match_watch(head, None, [1])
+    assert watch is not None and sorted(watch) == sorted(m.prefix_index.match(head, None).block_ids)
+    assert len(watch) == 3
+    prefill(m, 2, SYSTEM + [1, 2, 3, 4, 6, 6, 6, 6, 8])  # registers the head's 4th block
+    watch = m.match_watch(head, None, [1])
+    assert watch is not None and sorted(watch) == sorted(m.prefix_index.match(head, None).block_ids)
+    assert len(watch) == 4

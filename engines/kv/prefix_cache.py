@@ -396,10 +396,8 @@ class BlockHashPrefixIndex:
             if valid and self._num_drops != chain.match_num_drops:
                 valid = native.first_dropped(self._dropped_at, array, valid, chain.match_num_drops)
             if valid < len(blocks):
-                index = chain.match_block_index
-                if index is not None:
-                    for block in blocks[valid:]:
-                        del index[block]
+                if chain.match_block_set is not None:
+                    chain.match_block_set.difference_update(blocks[valid:])
                 blocks, array, num_taken = blocks[:valid], array[:valid], None
         found: list[int] = []
         if len(blocks) < num_full:
@@ -424,10 +422,9 @@ class BlockHashPrefixIndex:
         if num_taken is None:
             num_taken = pool.num_unreferenced(array)  # cached-free blocks revived from the free list
         if chain.match_owner is not self:
-            chain.match_block_index = None
-        elif found and chain.match_block_index is not None:
-            start = len(blocks) - len(found)
-            chain.match_block_index.update(zip(found, range(start, len(blocks))))
+            chain.match_block_set = None
+        elif found and chain.match_block_set is not None:
+            chain.match_block_set.update(found)
         chain.match_owner, chain.match_blocks, chain.match_array = self, blocks, array
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
@@ -442,7 +439,7 @@ class BlockHashPrefixIndex:
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
     ) -> Container[int] | None:
-        """See ``PrefixIndex.match_watch``: the matched blocks (the memo's position index).
+        """See ``PrefixIndex.match_watch``: the matched blocks (the memo's block set).
 
         With no frees, a match changes only if the pool reuses one of its blocks or a new
         registration supplies the key at its frontier ``k`` (the first block that missed).
@@ -468,10 +465,9 @@ class BlockHashPrefixIndex:
                     return None
         if chain.match_owner is not self or chain.match_blocks is not match.block_ids:
             return frozenset(match.block_ids)
-        index = chain.match_block_index
-        if index is None:
-            index = chain.match_block_index = dict(zip(chain.match_blocks, range(num_matched)))
-        return index.keys()
+        if chain.match_block_set is None:
+            chain.match_block_set = set(chain.match_blocks)
+        return chain.match_block_set
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
         if seq_id in self._seqs:
