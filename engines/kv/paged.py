@@ -23,6 +23,7 @@ stay referenced by the swapped sequence, because other holders still read them.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,13 +43,23 @@ if TYPE_CHECKING:
 class _Seq:
     __slots__ = ("block_ids", "num_tokens", "extra_key", "host_blocks")
 
-    def __init__(self, block_ids: list[int], num_tokens: int, extra_key: str | None) -> None:
+    def __init__(self, block_ids: array[int], num_tokens: int, extra_key: str | None) -> None:
         # Device block ids in logical order; while swapped, entries listed in host_blocks
-        # are host block ids instead.
+        # are host block ids instead. An int64 array ('q'), not a list: numpy reads and
+        # writes it as one buffer (a commit's or a free's ids, a growth's fresh blocks)
+        # instead of converting a Python int per block, whose objects lie scattered in
+        # memory by the time a long sequence is freed.
         self.block_ids = block_ids
         self.num_tokens = num_tokens  # token slots allocated
         self.extra_key = extra_key
         self.host_blocks: dict[int, int] | None = None  # logical index -> host block; None: resident
+
+
+def _table_of(block_ids: np.ndarray) -> array[int]:
+    """A block table holding ``block_ids`` (int64 [n]), copied. Pure."""
+    table = array("q")
+    table.frombytes(block_ids.astype(np.int64, copy=False).tobytes())
+    return table
 
 
 def usage_columns_of(
@@ -250,7 +261,7 @@ class PagedKVManager(SeqTable):
         matched = match.block_id_array()
         self.pool.incref_many(matched)
         self._add_seq_refs(matched)
-        seq = _Seq(list(match.block_ids), match.num_tokens, extra_key)
+        seq = _Seq(_table_of(matched), match.num_tokens, extra_key)
         self._seqs[seq_id] = seq
         ops = self._grow(seq, num_new_tokens)
         self.num_prefix_query_tokens += len(token_ids)
@@ -375,7 +386,7 @@ class PagedKVManager(SeqTable):
 
     def _commit_row(self, seq_id: int, token_ids: Sequence[int]) -> CommitEntry:
         """The prefix index's commit entry for ``seq_id`` committing ``token_ids``: its block
-        table (the live list) and extra key."""
+        table (the live int64 array, not a copy) and extra key."""
         seq = self._committing(seq_id, token_ids)
         return seq_id, token_ids, seq.block_ids, seq.extra_key
 
@@ -399,7 +410,7 @@ class PagedKVManager(SeqTable):
             raise ValueError(f"fork: seq {child_seq_id} already exists")
         self.pool.incref_many(parent.block_ids)
         self._add_seq_refs(parent.block_ids)
-        self._seqs[child_seq_id] = _Seq(list(parent.block_ids), parent.num_tokens, parent.extra_key)
+        self._seqs[child_seq_id] = _Seq(array("q", parent.block_ids), parent.num_tokens, parent.extra_key)
         self.prefix_index.fork(parent_seq_id, child_seq_id)
 
     def free(self, seq_id: int) -> None:
@@ -542,6 +553,9 @@ class PagedKVManager(SeqTable):
         seq_refs = [0] * n
         host_refs = [0] * self.num_host_blocks
         for seq_id, seq in self._seqs.items():
+            assert isinstance(seq.block_ids, array) and seq.block_ids.typecode == "q", (
+                f"seq {seq_id}: its block table is a {type(seq.block_ids).__name__}, not an int64 array"
+            )
             want = -(-seq.num_tokens // bs)
             assert len(seq.block_ids) == want, (
                 f"seq {seq_id}: {len(seq.block_ids)} blocks for {seq.num_tokens} slots, want {want}"
@@ -666,7 +680,7 @@ class PagedKVManager(SeqTable):
             native.claim_fresh(self._seq_refs, self._claimed, fresh, bs, remaining - (num_fresh - 1) * bs)
             self._num_blocks_in_use += num_fresh
             self._num_token_slots += remaining
-            table.extend(fresh.tolist())
+            table.frombytes(fresh.tobytes())
         seq.num_tokens += num_new
         return KVOps(copies=copies) if copies else NO_OPS
 
