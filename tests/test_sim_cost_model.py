@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -134,6 +135,31 @@ def test_decode_run_equals_step_by_step_durations(num_seqs, context, num_steps, 
     for j in range(num_steps):
         lens = [1] * (num_seqs - 1) + [context + j * num_seqs - (num_seqs - 1)]
         assert run[j] == pytest.approx(cm.duration_s(StepShape.build(decode_context_lens=lens)), rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    model_name=st.sampled_from(["llama-3-70b", "mixtral-8x7b", "deepseek-v2", "smollm2-135m", "tiny-gqa"]),
+    hardware_name=st.sampled_from(["h200-141gb", "a100-40gb", "l4", "cpu"]),
+    num_seqs=st.integers(1, 2000),
+    context=st.integers(0, 130_000_000),
+    num_steps=st.integers(1, 1100),
+    overhead=st.floats(0, 1e-2),
+)
+def test_decode_run_is_its_numpy_expression_to_the_bit(
+    model_name, hardware_name, num_seqs, context, num_steps, overhead
+):
+    # decode_run_s runs a compiled loop; simulated figures are pinned to the bit, so each
+    # element must be exactly the float64 operations of the array expression it replaced
+    # (no reordering, no fused multiply-add).
+    hw = hardware(hardware_name, step_overhead_s=overhead, per_seq_overhead_s=overhead / 3)
+    cm = CostModel.for_dtypes(model(model_name), hw, "bf16", "fp8")
+    ctx = context + num_seqs * np.arange(num_steps, dtype=np.float64)
+    memory_s = (cm.weight_bytes_read(num_seqs) + (ctx + num_seqs) * cm.kv_bytes_per_token) * cm.s_per_byte
+    compute_s = (cm.flops_per_token * num_seqs + cm.flops_per_attention_pair * ctx) * cm.s_per_flop
+    overhead_s = hw.step_overhead_s + hw.per_token_overhead_s * num_seqs + hw.per_seq_overhead_s * num_seqs
+    expected = np.maximum(memory_s, compute_s) + overhead_s
+    assert np.array_equal(cm.decode_run_s(num_seqs, context, num_steps), expected)
 
 
 def test_decode_run_rejects_empty_batch():

@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from kvbench.sizing import kv_bytes_per_token, num_params, weight_bytes
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError
@@ -242,11 +243,49 @@ class CostModel:
         if num_seqs <= 0 or num_steps <= 0:
             raise ValueError(f"decode run: num_seqs ({num_seqs}) and num_steps ({num_steps}) must be > 0")
         hw = self.hardware
-        ctx = context_tokens + num_seqs * np.arange(num_steps, dtype=np.float64)
-        kv_tokens = ctx + num_seqs
-        memory_s = (self.weight_bytes_read(num_seqs) + kv_tokens * self.kv_bytes_per_token) * self.s_per_byte
-        compute_s = (self.flops_per_token * num_seqs + self.flops_per_attention_pair * ctx) * self.s_per_flop
         overhead_s = (
             hw.step_overhead_s + hw.per_token_overhead_s * num_seqs + hw.per_seq_overhead_s * num_seqs
         )
-        return np.maximum(memory_s, compute_s) + overhead_s
+        # The per-step terms in one compiled loop: a run asks for windows of a few steps,
+        # where a dozen numpy calls cost ~15 us. The model's ints go in as float64, as
+        # mixed int/float arithmetic converts them.
+        return _decode_run_s(
+            num_steps,
+            float(context_tokens),
+            float(num_seqs),
+            float(self.weight_bytes_read(num_seqs)),
+            float(self.kv_bytes_per_token),
+            self.s_per_byte,
+            float(self.flops_per_token * num_seqs),
+            float(self.flops_per_attention_pair),
+            self.s_per_flop,
+            float(overhead_s),
+        )
+
+
+@njit(cache=True, nogil=True)
+def _decode_run_s(
+    num_steps,
+    context_tokens,
+    num_seqs,
+    weight_bytes,
+    kv_bytes_per_token,
+    s_per_byte,
+    flops,
+    flops_per_pair,
+    s_per_flop,
+    overhead_s,
+):  # pragma: no cover - compiled
+    """``CostModel.decode_run_s``' durations (float64 [num_steps]), each computed as
+    ``max(memory_s, compute_s) + overhead_s`` from float64 scalars, step ``j``'s context
+    being ``context_tokens + num_seqs * j``. No fastmath (no reordering, no fused
+    multiply-add): each element is, to the bit, what the array expression
+    ``np.maximum(memory_s, compute_s) + overhead_s`` over all steps gives
+    (``test_decode_run_is_its_numpy_expression_to_the_bit``)."""
+    out = np.empty(num_steps, dtype=np.float64)
+    for j in range(num_steps):
+        ctx = context_tokens + num_seqs * float(j)
+        memory_s = (weight_bytes + (ctx + num_seqs) * kv_bytes_per_token) * s_per_byte
+        compute_s = (flops + flops_per_pair * ctx) * s_per_flop
+        out[j] = (memory_s if memory_s >= compute_s else compute_s) + overhead_s
+    return out
