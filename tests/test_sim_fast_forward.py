@@ -24,6 +24,7 @@ from kvbench.engines.kv.paged import PagedDecodeRun
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sim.executor import CostModelExecutor
+from kvbench.engines.sim.fast_forward import FastForward
 from kvbench.engines.slab import SlabEngine
 from kvbench.runner import RawRun, SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
@@ -36,6 +37,13 @@ SPEC = ModelSpec()  # tiny-gqa
 # Slow steps (5 ms + per-sequence costs), so Poisson arrivals land inside decode runs.
 SLOW = HardwareSpec(step_overhead_s=5e-3, per_seq_overhead_s=2e-4)
 MOONCAKE_HEAD = Path(__file__).parent / "fixtures" / "traces" / "mooncake_conversation_head200.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def verify_carried_batches(monkeypatch):
+    """Every run here that carries its batch from the last one also reads it fresh and
+    requires the same columns and KV run (``FastForward.verify_carry``)."""
+    monkeypatch.setattr(FastForward, "verify_carry", True)
 
 
 class StepCounting:
@@ -434,3 +442,88 @@ def test_slab_eos_ends_runs():
     slow, _ = run(workload, False, spec, CountingSlabEngine, **params)
     assert min(len(out[0]) for out in slow.outputs.values()) < 200  # EOS really ended some early
     assert_identical(workload, 0.3, spec, CountingSlabEngine, **params)
+
+
+def _decode_batch_by_the_rule(scheduler) -> list | None:  # type: ignore[no-untyped-def]
+    """``decode_batch``'s answer read from every running group (the rule it checks only
+    for the groups marked changed): nothing swapped, no beam group, every sample group
+    forked, every sequence in decode state, the batch within the token budget. (Pending
+    rejections and a prepared step never occur below: every request fits, and an engine
+    that steps one iteration per call prepares none.)"""
+    running = scheduler.running
+    if scheduler.swapped or not running:
+        return None
+    for group in running:
+        if group.is_beam or (group.num_samples > 1 and not group.has_forked):
+            return None
+        for seq in group.seqs:
+            computed = seq.num_computed_tokens
+            if (
+                len(seq.token_ids) - computed != 1
+                or computed < seq.num_prompt_tokens
+                or computed < seq.num_lost_tokens
+            ):
+                return None
+    pairs = [(group, seq) for group in running for seq in group.seqs]
+    return pairs if len(pairs) <= scheduler.config.max_num_batched_tokens else None
+
+
+class BatchCheckingEngine(PagedEngine):
+    """Steps one iteration per call; before each, asks ``decode_batch`` and compares it
+    with the rule read from every running group."""
+
+    num_batches = 0
+
+    def step(self):  # type: ignore[no-untyped-def]
+        batch = self.scheduler.decode_batch()
+        expected = _decode_batch_by_the_rule(self.scheduler)
+        assert (batch is None) == (expected is None)
+        if batch is not None:
+            assert batch.pairs == expected
+            self.num_batches += 1
+        self.scheduler.check()  # every running group not marked changed is decode-ready
+        return super().step()
+
+
+@pytest.mark.parametrize(
+    ("workload", "params"),
+    [
+        (
+            random_requests(
+                16,
+                {"kind": "uniform", "low": 20, "high": 300},
+                {"kind": "uniform", "low": 5, "high": 90},
+                {"kind": "poisson", "rate_per_s": 40.0},
+                vocab_size=SPEC.vocab_size,
+                seed=3,
+            ),
+            {"num_blocks": 40, "max_num_seqs": 6, "max_num_batched_tokens": 64},  # chunks, preemption
+        ),
+        (
+            best_of_n(
+                6, 30, {"kind": "uniform", "low": 10, "high": 60}, n=3, vocab_size=SPEC.vocab_size, seed=4
+            ),
+            {"num_blocks": 40, "max_num_seqs": 9, "preemption": "swap"},
+        ),
+        (random_requests(4, 30, 25, vocab_size=SPEC.vocab_size, seed=6, beam_width=2), {"num_blocks": 64}),
+    ],
+    ids=["chunks_and_preemption", "samples_and_swaps", "beams"],
+)
+def test_decode_batch_checks_only_changed_groups_and_answers_as_the_rule(workload, params):
+    ctx = EngineContext(SPEC, SLOW, None, "cpu", "fp32", 0, "sim")
+    engine = BatchCheckingEngine(
+        ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), fast_forward=False, **params
+    )
+    raw = replay(engine, workload, SimClock())
+    assert len(raw.requests) == len(workload.requests)
+    if not any(request.beam_width > 1 for request in workload.requests):
+        assert engine.num_batches > 0  # decode batches were really formed
+
+
+def test_verify_carry_catches_a_carried_batch_that_is_off(monkeypatch):
+    """The differential check can fail: carried lengths that miss the run's steps."""
+    from kvbench.engines.sim import fast_forward
+
+    monkeypatch.setattr(fast_forward.BatchColumns, "advanced", lambda columns, num_steps: columns)
+    with pytest.raises(AssertionError, match="carried batch columns differ"):
+        test_chat_with_shared_prefixes_and_poisson_arrivals()

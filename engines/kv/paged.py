@@ -32,7 +32,7 @@ import numpy as np
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.prefix_cache import CommitEntry, PrefixIndex, PrefixMatch
-from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.kv.protocol import NO_OPS, DecodeRun, KVCapacityError, KVOps
 from kvbench.engines.kv.token_ids import TokenPrefix
 from kvbench.types import KVUsage, Request
 
@@ -321,23 +321,41 @@ class PagedKVManager(SeqTable):
         a partial last block (the second to write would copy it). Pure."""
         return self.try_decode_run(seq_ids) is not None
 
-    def try_decode_run(self, seq_ids: Sequence[int]) -> PagedDecodeRun | None:
+    def try_decode_run(
+        self, seq_ids: Sequence[int], previous: DecodeRun | None = None, rows: np.ndarray | None = None
+    ) -> PagedDecodeRun | None:
         """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False: one pass
-        over the sequences for both (the fast path asks once per run). Mutates nothing."""
-        # One comprehension per column (the batch is read once per decode run).
+        over the sequences for both (the fast path asks once per run). With ``previous``
+        (a run of this manager) and ``rows`` (int64 [seq]): sequence ``i`` with ``rows[i] >= 0``
+        is row ``rows[i]`` of ``previous``, changed since only by its steps and the
+        commits made between them (``DecodeRunKV.try_decode_run``), so its slot count
+        and partial last block are taken from there instead of read. Mutates nothing."""
         seqs: list[_Seq] = list(map(self._seqs.get, seq_ids))
         if None in seqs:
             return None
-        if any([seq.host_blocks is not None for seq in seqs]):
-            return None  # swapped out
-        num_slots = np.array([seq.num_tokens for seq in seqs], dtype=np.int64)
-        # The last block per sequence (-1: none yet).
-        last_blocks = np.array([seq.block_ids[-1] if seq.block_ids else -1 for seq in seqs], dtype=np.int64)
-        if not native.decodes_in_place(
-            self.pool.state, self._claimed, num_slots, last_blocks, self.block_size
-        ):
+        bs = self.block_size
+        if previous is None or rows is None:
+            if any([seq.host_blocks is not None for seq in seqs]):
+                return None  # swapped out
+            # One comprehension per column (the batch is read once per decode run).
+            residues = np.array([seq.num_tokens for seq in seqs], dtype=np.int64) % bs
+            # The last block per sequence (-1: none yet).
+            last_blocks = np.array(
+                [seq.block_ids[-1] if seq.block_ids else -1 for seq in seqs], dtype=np.int64
+            )
+        else:
+            if not isinstance(previous, PagedDecodeRun) or previous.manager is not self:
+                raise ValueError("try_decode_run: previous is not a decode run of this manager")
+            residues, last_blocks = previous.rows_now(rows)
+            for index in np.flatnonzero(rows < 0).tolist():  # new to the run: read
+                seq = seqs[index]
+                if seq.host_blocks is not None:
+                    return None  # swapped out
+                residues[index] = seq.num_tokens % bs
+                last_blocks[index] = seq.block_ids[-1] if seq.block_ids else -1
+        if not native.decodes_in_place(self.pool.state, self._claimed, residues, last_blocks, bs):
             return None  # a copy-on-write ahead
-        return PagedDecodeRun(self, seqs, num_slots % self.block_size, last_blocks)
+        return PagedDecodeRun(self, seqs, residues, last_blocks)
 
     def match_watch(
         self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
@@ -756,6 +774,32 @@ class PagedDecodeRun:
         # _at_boundary[r]: how many sequences need a fresh block at step k with (-k) % bs == r.
         self._at_boundary: list[int] = np.bincount(residues, minlength=bs).tolist()
         self._num_steps = 0
+
+    @property
+    def manager(self) -> PagedKVManager:
+        """The manager whose sequences the run grows."""
+        return self._kv
+
+    def rows_now(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slot counts modulo the block size and last blocks (int64, own copies) now of
+        the run's sequences ``rows`` (int64 [n]; negative entries give -1, -1). A full
+        last block's entry may be stale (a commit may have switched it for its cached
+        twin) and is never read: the next step gives that sequence a fresh block. Pure."""
+        residues = (self._residues[rows] + self._num_steps) % self._kv.block_size
+        lasts = self._lasts[rows]
+        unknown = rows < 0  # read row -1 above
+        residues[unknown] = -1
+        lasts[unknown] = -1
+        return residues, lasts
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """The run's state as plain values (the manager's sequence records by identity,
+        slot counts modulo the block size, last blocks of partial ones): two runs with
+        equal snapshots take the same steps. Pure."""
+        bs = self._kv.block_size
+        residues = ((self._residues + self._num_steps) % bs).tolist()
+        lasts = [last if residue else -1 for last, residue in zip(self._lasts.tolist(), residues)]
+        return tuple(map(id, self._seqs)), tuple(residues), tuple(lasts)
 
     def num_new_blocks(self) -> int:
         """Fresh blocks the next ``advance`` takes (it fails when more than

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbench.types import KVUsage, Request
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvbench.engines.sched.sequence import SequenceGroup
 
 
@@ -214,6 +216,12 @@ class DecodeRun(Protocol):
         KVCapacityError, changing nothing, when the steps do not fit."""
         ...
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """The run's state as plain values: two runs over the same manager with equal
+        snapshots take the same steps (a differential test's check that a carried run
+        equals a fresh one). Pure."""
+        ...
+
 
 class DecodeRunKV(KVManager, Protocol):
     """What the simulation fast path (``engines/sim/fast_forward.py``) needs on top of
@@ -228,9 +236,17 @@ class DecodeRunKV(KVManager, Protocol):
         ``can_decode_together`` is False."""
         ...
 
-    def try_decode_run(self, seq_ids: Sequence[int]) -> DecodeRun | None:
+    def try_decode_run(
+        self, seq_ids: Sequence[int], previous: DecodeRun | None = None, rows: np.ndarray | None = None
+    ) -> DecodeRun | None:
         """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False (one pass
-        over the sequences instead of two). Mutates nothing."""
+        over the sequences instead of two). ``previous`` (a run of this manager) and
+        ``rows`` (int64 [seq]) let the next run of a batch start from where the last one
+        ended: ``rows[i] >= 0`` says sequence ``i`` is that run's row ``rows[i]`` and has
+        changed since only by that run's steps and the manager's commits between them
+        (what the scheduler's ``DecodeBatch`` vouches for); the manager may take what it
+        knew of those rows from ``previous`` instead of reading it, or read everything.
+        The answer is the same either way. Mutates nothing."""
         ...
 
     def match_watch(

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvbench.engines.kv.paged import SeqTable, check_sizes, usage_columns_of
-from kvbench.engines.kv.protocol import COMMITS_REGISTER_NOTHING, NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.kv.protocol import COMMITS_REGISTER_NOTHING, NO_OPS, DecodeRun, KVCapacityError, KVOps
 from kvbench.engines.sched.sequence import num_samples
 from kvbench.types import KVUsage, Request
 
@@ -600,8 +600,12 @@ class SlabKVManager(SeqTable):
         ``append`` would hand it out). KeyError for an unknown sequence. Pure."""
         return self.try_decode_run(seq_ids) is not None
 
-    def try_decode_run(self, seq_ids: Sequence[int]) -> SlabDecodeRun | None:
-        """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False. Mutates nothing."""
+    def try_decode_run(
+        self, seq_ids: Sequence[int], previous: DecodeRun | None = None, rows: np.ndarray | None = None
+    ) -> SlabDecodeRun | None:
+        """``decode_run(seq_ids)``, or None when ``can_decode_together`` is False. Reads
+        every sequence: ``previous`` and ``rows`` (``DecodeRunKV.try_decode_run``) are not
+        used (a slab run's state is the regions' room, read in one pass). Mutates nothing."""
         seqs = [self._seq(seq_id) for seq_id in seq_ids]
         if self._pending_copies:
             return None
@@ -840,6 +844,11 @@ class SlabDecodeRun:
     def can_advance(self) -> bool:
         """Whether every region has room for one more slot. Pure."""
         return self._num_steps_left > 0
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """The run's state as plain values (the manager's sequence records by identity,
+        steps until a region is full, slots past each will-use). Pure."""
+        return tuple(map(id, self._seqs)), self._num_steps_left, tuple(self._past_will_use.tolist())
 
     def advance(self) -> None:
         """Reserve the next slot of every sequence. Mutates the slot counts and totals.

@@ -203,6 +203,37 @@ def is_decode_chunk(seq: Sequence, start: int, num_tokens: int) -> bool:
 _Piece = tuple[SequenceGroup, Sequence, int, int]
 
 
+def _decode_ready(group: SequenceGroup) -> bool:
+    """Whether a running group may join a decode batch: not a beam group (beams are
+    ranked jointly), forked if it runs several samples, and every sequence in decode
+    state: only its newest token lacks KV, that token is an output (not the prompt's
+    last), and computing it is no recomputation. Pure."""
+    if group.is_beam or (group.num_samples > 1 and not group.has_forked):
+        return False
+    for seq in group.seqs:
+        computed = seq.num_computed_tokens
+        if (
+            len(seq.token_ids) - computed != 1
+            or computed < seq.num_prompt_tokens
+            or computed < seq.num_lost_tokens
+        ):
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """``Scheduler.decode_batch``'s answer: the step's (group, sequence) pairs in chunk
+    order, and the groups changed other than by the decode-run methods since the
+    previous batch was returned (joined ``running``, computed a chunk, took a token,
+    forked; some may have left ``running`` since). A pair whose group is not in
+    ``changed`` and that was in the previous batch has changed only through that
+    batch's decode-run calls: a caller may carry what it knew about it."""
+
+    pairs: list[tuple[SequenceGroup, Sequence]]
+    changed: tuple[SequenceGroup, ...]
+
+
 # --------------------------------------------------------------------------- scheduler
 class Scheduler:
     """Queues of sequence groups plus the step planner; owns the KV manager's sequence ids.
@@ -250,6 +281,12 @@ class Scheduler:
         self._last_pieces: list[_Piece] = []
         # A step planned by append_decodes that was not a plain decode step; schedule() returns it.
         self._prepared: SchedulerOutput | None = None
+        # Groups changed other than by the decode-run methods since ``decode_batch`` last
+        # returned a batch (by id): joining ``running``, computing chunks, taking tokens,
+        # forking. Invariant (``check``): every running group not in it is decode-ready
+        # (``_decode_ready``), since the decode-run methods keep a group ready. So
+        # ``decode_batch`` checks only these, and reports them as the batch's changes.
+        self._unchecked: dict[int, SequenceGroup] = {}
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -435,40 +472,32 @@ class Scheduler:
     # (``quiet_decode_steps``) go together: ``complete_decodes_many``, then
     # ``DecodeRun.advance_many`` committing each step after its blocks are taken.
 
-    def decode_batch(self) -> list[tuple[SequenceGroup, Sequence]] | None:
+    def decode_batch(self) -> DecodeBatch | None:
         """The (group, sequence) pairs of the next step, in chunk order, when that step can
-        only decode one token for every running sequence, else None. Pure.
+        only decode one token for every running sequence, else None. Mutates only the
+        change marks: a batch returned clears them (its ``changed`` lists them).
 
         None when rejections are pending, a group is swapped, a beam group runs (beams
         are ranked jointly), a prompt is not fully computed, a sample group has not
         forked yet, or the batch exceeds the token budget. The KV side (no copy-on-write
         ahead) is the caller's to check: the manager's ``try_decode_run`` answers it
         while building the run. Whether a waiting group would be admitted is checked per
-        step by ``append_decodes``.
+        step by ``append_decodes``. Only groups changed since the last batch are checked
+        (``_unchecked``): the others are ready by the invariant.
         """
         if self._pending_rejections or self.swapped or not self.running or self._prepared is not None:
             return None
-        running = self.running
-        # Only when some group runs several samples does any group need checking.
-        if not self._single_samples() and any(
-            [group.is_beam or (group.num_samples > 1 and not group.has_forked) for group in running]
-        ):
-            return None
-        pairs = [(group, seq) for group in running for seq in group.seqs]
+        unchecked = self._unchecked
+        running_status = GroupStatus.RUNNING
+        for group in unchecked.values():
+            if group.status is running_status and not _decode_ready(group):
+                return None
+        pairs = [(group, seq) for group in self.running for seq in group.seqs]
         if len(pairs) > self.config.max_num_batched_tokens:
             return None
-        # Decode state: only the newest token lacks KV, it is an output token (not the
-        # prompt's last), and computing it is no recomputation.
-        if any(
-            [
-                len(seq.token_ids) - seq.num_computed_tokens != 1
-                or seq.num_computed_tokens < seq.num_prompt_tokens
-                or seq.num_computed_tokens < seq.num_lost_tokens
-                for _, seq in pairs
-            ]
-        ):
-            return None
-        return pairs
+        changed = tuple(unchecked.values())
+        unchecked.clear()
+        return DecodeBatch(pairs, changed)
 
     def append_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun) -> bool:
         """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``)
@@ -777,6 +806,7 @@ class Scheduler:
     def _attach(self, group: SequenceGroup, point: int) -> None:
         """Fork the leader's blocks (exactly its ``point`` computed tokens) to every detached sibling."""
         kv = self.kv
+        self._unchecked[id(group)] = group
         leader = group.seqs[0]
         assert kv.num_tokens(leader.seq_id) == leader.num_computed_tokens == point, (
             f"{group.request_id}: the leader holds {kv.num_tokens(leader.seq_id)} slots, "
@@ -1058,6 +1088,7 @@ class Scheduler:
             if self.kv.has_seq(seq.seq_id):
                 self.kv.free(seq.seq_id)
             self._seqs.pop(seq.seq_id, None)
+        self._unchecked.pop(id(group), None)
         group.status = GroupStatus.FINISHED
 
     def _finalize_pieces(self, first_piece: int = 0) -> tuple[tuple[ScheduledChunk, ...], int, int, int]:
@@ -1119,7 +1150,9 @@ class Scheduler:
         targets = []
         commits: list[tuple[int, SequenceOf[int]]] = []  # together, in chunk order
         interval = self.kv.commit_interval
+        unchecked = self._unchecked
         for group, seq, start, num_tokens in self._last_pieces:
+            unchecked[id(group)] = group
             seq.num_computed_tokens = computed = start + num_tokens
             tokens = seq.token_ids
             # A one-token piece commits only where it can register something (as
@@ -1141,6 +1174,7 @@ class Scheduler:
 
         Mutates the sequence, may free its KV and queue a FinishedRequest.
         """
+        self._unchecked[id(group)] = group
         seq.token_ids.append(token_id)
         if group.is_finished_token(seq):
             self._finish_seq(group, seq)
@@ -1151,6 +1185,7 @@ class Scheduler:
         Sample i gets token_ids[i]; samples 1.. share every block of sample 0 (KV fork).
         Returns the samples in order. Mutates the group, the KV manager and peak counters.
         """
+        self._unchecked[id(group)] = group
         parent = group.seqs[0]
         samples = [parent]
         for index in range(1, len(token_ids)):
@@ -1180,6 +1215,7 @@ class Scheduler:
         beam (scores only fall). Returns the live beams. Mutates the group and the KV manager.
         """
         kv = self.kv
+        self._unchecked[id(group)] = group
         chosen_parents = {id(parent) for parent, _, _ in chosen}
         for beam in group.seqs:
             if id(beam) not in chosen_parents:
@@ -1247,6 +1283,7 @@ class Scheduler:
             self._retire(group)
 
     def _retire(self, group: SequenceGroup) -> None:
+        self._unchecked.pop(id(group), None)
         if group.status is GroupStatus.RUNNING:
             self.running.remove(group)
             self._seq_budget_used -= group.num_samples
@@ -1281,6 +1318,8 @@ class Scheduler:
 
     def _insert(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
         bisect.insort(queue, group, key=self.policy.key)
+        if queue is self.running:
+            self._unchecked[id(group)] = group
 
     # Every change of the waiting queue goes through these two, which report it to the KV
     # manager (the contract's waiting_entered / waiting_left: the slab sizes its external
@@ -1336,6 +1375,10 @@ class Scheduler:
                 assert not kv.has_seq(seq.seq_id), (
                     f"{group.request_id} seq {seq.seq_id}: waiting but holds KV"
                 )
+        for group in self.running:
+            assert id(group) in self._unchecked or _decode_ready(group), (
+                f"{group.request_id}: not decode-ready but not marked changed (_unchecked)"
+            )
         num_seqs = sum(group.num_samples for group in self.running)
         assert num_seqs == self._seq_budget_used, f"sequence budget {self._seq_budget_used} != {num_seqs}"
         num_live = sum(len(group.seqs) for group in self.running)

@@ -27,12 +27,13 @@ import dataclasses
 import math
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
-from typing import Any
+from itertools import repeat
+from typing import Any, ClassVar
 
 import numpy as np
 
-from kvbench.engines.kv.protocol import DecodeRunKV
-from kvbench.engines.sched.scheduler import Scheduler, SchedulerOutput
+from kvbench.engines.kv.protocol import DecodeRun, DecodeRunKV
+from kvbench.engines.sched.scheduler import DecodeBatch, Scheduler, SchedulerOutput
 from kvbench.engines.sched.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.stand_in import StandInTokens, stand_in_tokens
@@ -60,6 +61,78 @@ def _finishing(
     if eos_rows is not None:
         done |= eos_rows & (step_tokens == eos)
     return np.flatnonzero(done).tolist()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchColumns:
+    """What a decode run reads of each sequence of its batch, in batch order ([seq] arrays)."""
+
+    lengths: np.ndarray  # int64: tokens, the newest (which lacks KV) included
+    num_prompt_tokens: np.ndarray  # int64
+    max_new_tokens: np.ndarray  # int64: the group's output limit
+    stops_at_eos: np.ndarray  # bool: whether EOS ends the sequence
+    samples: np.ndarray  # int64: sample indexes
+    bases: np.ndarray  # uint64: the requests' stand-in token keys (StandInTokens.bases)
+    request_ids: np.ndarray  # object (str)
+
+    @classmethod
+    def read(cls, pairs: list[tuple[SequenceGroup, Sequence]], tokens: StandInTokens) -> BatchColumns:
+        """Read from the objects: ``pairs`` in decode state (``Scheduler.decode_batch``),
+        whose length is its computed count + 1 (an attribute read; len() of a numpy
+        prompt's ArrayTokenIds is a Python call). Mutates the stand-in key memo."""
+        request_ids = [group.request_id for group, _ in pairs]
+        return cls(
+            lengths=np.array([seq.num_computed_tokens for _, seq in pairs], dtype=np.int64) + 1,
+            num_prompt_tokens=np.array([seq.num_prompt_tokens for _, seq in pairs], dtype=np.int64),
+            max_new_tokens=np.array([group.max_new_tokens for group, _ in pairs], dtype=np.int64),
+            stops_at_eos=np.array([group.stops_at_eos for group, _ in pairs], dtype=bool),
+            samples=np.array([seq.sample_index for _, seq in pairs], dtype=np.int64),
+            bases=np.array(tokens.bases(request_ids), dtype=np.uint64),
+            request_ids=np.array(request_ids, dtype=object),
+        )
+
+    def take(self, rows: np.ndarray, fresh: BatchColumns | None, at: np.ndarray) -> BatchColumns:
+        """Rows ``rows`` (int64 [seq]) of these columns, except the entries at ``at``
+        (ascending), which come from ``fresh`` in order (None: ``at`` is empty). Pure."""
+        if fresh is None:
+            return BatchColumns(*[mine[rows] for mine in self.arrays()])
+        columns = []
+        for mine, theirs in zip(self.arrays(), fresh.arrays()):
+            out = mine[rows]
+            out[at] = theirs
+            columns.append(out)
+        return BatchColumns(*columns)
+
+    def advanced(self, num_steps: int) -> BatchColumns:
+        """These columns after ``num_steps`` decode steps (each adds a token). Pure."""
+        return dataclasses.replace(self, lengths=self.lengths + num_steps)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The columns in field order. Pure."""
+        return (
+            self.lengths,
+            self.num_prompt_tokens,
+            self.max_new_tokens,
+            self.stops_at_eos,
+            self.samples,
+            self.bases,
+            self.request_ids,
+        )
+
+    def same_as(self, other: BatchColumns) -> bool:
+        """Whether every column is equal, element by element. Pure."""
+        return all(np.array_equal(mine, theirs) for mine, theirs in zip(self.arrays(), other.arrays()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Carry:
+    """What a run knew of its batch when it ended, for the next run over the same
+    sequences (``DecodeBatch``): rows by sequence id, the columns (lengths as of the
+    end) and the KV run."""
+
+    rows: dict[int, int]
+    columns: BatchColumns
+    run: DecodeRun
 
 
 class RunLog:
@@ -142,10 +215,16 @@ class RunLog:
 
 
 class FastForward:
-    """Decode runs of one engine (module docstring). Holds no state between runs except
-    ``prepared_counters``: the KV counters before a step a run began but could not take
+    """Decode runs of one engine (module docstring). Holds two things between runs:
+    ``prepared_counters``, the KV counters before a step a run began but could not take
     as a plain decode step (the scheduler keeps that step's plan for the next normal
-    ``step``, whose stats count from there)."""
+    ``step``, whose stats count from there); and what the last run knew of its batch
+    (``_Carry``), which the next run takes instead of reading again for every sequence
+    its ``DecodeBatch`` does not report changed."""
+
+    # Differential check (tests): build every carried batch fresh as well and raise
+    # AssertionError where the two differ.
+    verify_carry: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -163,6 +242,42 @@ class FastForward:
         self.eos_token_id = eos_token_id
         self.stats = stats
         self.prepared_counters: tuple[int, int, int] | None = None
+        self._carry: _Carry | None = None
+
+    def _columns_and_run(
+        self, batch: DecodeBatch, seq_ids: list[int], carry: _Carry | None
+    ) -> tuple[BatchColumns, DecodeRun | None]:
+        """The batch's columns and KV run (None: a copy-on-write ahead), carried from
+        ``carry`` for the sequences it knew and the batch does not report changed, read
+        for the others. Mutates ``carry.rows`` and the stand-in key memo."""
+        pairs, kv, tokens = batch.pairs, self.kv, self.tokens
+        if carry is None:
+            return BatchColumns.read(pairs, tokens), kv.try_decode_run(seq_ids)
+        known = carry.rows
+        for group in batch.changed:
+            for seq in group.seqs:
+                known.pop(seq.seq_id, None)
+        rows = np.fromiter(map(known.get, seq_ids, repeat(-1)), dtype=np.int64, count=len(seq_ids))
+        fresh_at = np.flatnonzero(rows < 0)
+        fresh = (
+            BatchColumns.read([pairs[index] for index in fresh_at.tolist()], tokens)
+            if fresh_at.size
+            else None
+        )
+        columns = carry.columns.take(rows, fresh, fresh_at)
+        run = kv.try_decode_run(seq_ids, carry.run, rows)
+        if self.verify_carry:
+            assert columns.same_as(BatchColumns.read(pairs, tokens)), (
+                "carried batch columns differ from a fresh read"
+            )
+            fresh_run = kv.try_decode_run(seq_ids)
+            assert (run is None) == (fresh_run is None), (
+                "a carried run and a fresh one disagree on copy-on-write"
+            )
+            assert run is None or fresh_run is None or run.snapshot() == fresh_run.snapshot(), (
+                "the carried KV run differs from a fresh one"
+            )
+        return columns, run
 
     def run(self, now_s: float, next_arrival_s: float) -> StepOutput | None:
         """Take consecutive plain decode steps in one call.
@@ -184,38 +299,34 @@ class FastForward:
         Mutates the scheduler, the KV manager, the executor's totals and the token keys.
         """
         scheduler = self.scheduler
-        pairs = scheduler.decode_batch()
-        if pairs is None:
+        batch = scheduler.decode_batch()
+        carry, self._carry = self._carry, None  # a run that does not start voids it
+        if batch is None:
             return None
+        pairs = batch.pairs
         seqs = [seq for _, seq in pairs]
-        kv = self.kv
-        run = kv.try_decode_run([seq.seq_id for seq in seqs])
+        seq_ids = [seq.seq_id for seq in seqs]
+        columns, run = self._columns_and_run(batch, seq_ids, carry)
         if run is None:
             return None  # a copy-on-write ahead: a normal step
+        kv = self.kv
         tokens_of = self.tokens
         # Steps up to the first finish by length: the step producing a sequence's last
         # token (step ``max_new_tokens - num_output_tokens``, counting from 1) ends the run.
-        # One comprehension per column: the batch is rebuilt for every run.
-        groups = [group for group, _ in pairs]
-        # Decode state (decode_batch): only the newest token lacks KV, so a sequence's
-        # length is its computed count + 1, an attribute read (len() of a numpy prompt's
-        # ArrayTokenIds is a Python call).
-        lengths = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64) + 1
-        positions = lengths - np.array(
-            [seq.num_prompt_tokens for seq in seqs], dtype=np.int64
-        )  # outputs so far
+        lengths = columns.lengths
+        positions = lengths - columns.num_prompt_tokens  # outputs so far
         # Steps until each sequence's length limit (its last token in step ``to_limit``).
-        to_limit = np.array([group.max_new_tokens for group in groups], dtype=np.int64) - positions
+        to_limit = columns.max_new_tokens - positions
         finish_step = min(MAX_DECODE_RUN_STEPS + 1, int(to_limit.min()))
-        request_ids = [group.request_id for group in groups]
-        seq_bases = tokens_of.bases(request_ids)
-        samples = [seq.sample_index for seq in seqs]
+        request_ids = columns.request_ids.tolist()
+        seq_bases = columns.bases
+        samples = columns.samples.tolist()
         max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
         context = int(lengths.sum())
         num_seqs = len(pairs)
         vocab, eos = tokens_of.vocab_size, self.eos_token_id
-        check_eos = np.array([group.stops_at_eos for group in groups])
+        check_eos = columns.stops_at_eos
         eos_rows = check_eos if check_eos.any() else None
         commit_phases = scheduler.decode_commit_phases(lengths)
         log = RunLog(
@@ -274,6 +385,8 @@ class FastForward:
                     # The run's first step: one that admits a waiting group is taken here.
                     plan = scheduler.admit_after_decodes(pairs, run)
                     if plan is not None:
+                        # The batch decodes this one step; the admitted groups are changes.
+                        self._carry = _Carry(dict(zip(seq_ids, range(num_seqs))), columns.advanced(1), run)
                         return self._admission_step(
                             pairs,
                             plan,
@@ -297,6 +410,9 @@ class FastForward:
                 index += 1
                 offset += 1
                 start_s += duration_s
+        # The next run carries the batch on from here (a step reserved but left to a
+        # normal step, append_decodes' False, changes every group of the batch).
+        self._carry = _Carry(dict(zip(seq_ids, range(num_seqs))), columns.advanced(offset), run)
         # Sequences finish only in the run's last step (``finish_step``), once it is taken;
         # its tokens are the last window's column ``index - 1`` (the run ends in the window
         # where it reaches ``finish_step``).
