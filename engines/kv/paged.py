@@ -331,10 +331,10 @@ class PagedKVManager(SeqTable):
         commits made between them (``DecodeRunKV.try_decode_run``), so its slot count
         and partial last block are taken from there instead of read. Mutates nothing."""
         seqs: list[_Seq] = list(map(self._seqs.get, seq_ids))
-        if None in seqs:
-            return None
         bs = self.block_size
         if previous is None or rows is None:
+            if None in seqs:
+                return None  # not a live sequence
             if any([seq.host_blocks is not None for seq in seqs]):
                 return None  # swapped out
             # One comprehension per column (the batch is read once per decode run).
@@ -347,8 +347,11 @@ class PagedKVManager(SeqTable):
             if not isinstance(previous, PagedDecodeRun) or previous.manager is not self:
                 raise ValueError("try_decode_run: previous is not a decode run of this manager")
             residues, last_blocks = previous.rows_now(rows)
-            for index in np.flatnonzero(rows < 0).tolist():  # new to the run: read
+            # The carried rows are live (a run's sequences were); the others are read.
+            for index in np.flatnonzero(rows < 0).tolist():
                 seq = seqs[index]
+                if seq is None:
+                    return None  # not a live sequence
                 if seq.host_blocks is not None:
                     return None  # swapped out
                 residues[index] = seq.num_tokens % bs

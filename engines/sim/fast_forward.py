@@ -393,6 +393,7 @@ class FastForward:
                             counters0,
                             tokens[:, 0],
                             context,
+                            request_ids,
                             samples,
                             commit_phases,
                             _finishing(to_limit, 1, eos_rows, tokens[:, 0], eos),
@@ -445,6 +446,7 @@ class FastForward:
         counters0: tuple[int, int, int],
         step_tokens: np.ndarray,
         context: int,
+        request_ids: list[str],
         samples: list[int],
         commit_phases: np.ndarray,
         candidates: list[int],
@@ -454,7 +456,8 @@ class FastForward:
         normal step completes it: the batch's commits and tokens (``step_tokens``, one per
         pair), the plan's chunks, the KV usage as executed, then the batch's finished
         sequences, then the plan's sampled tokens. ``context``: the batch's decode context
-        (its sequences' lengths, the token decoded included); ``commit_phases``: the
+        (its sequences' lengths, the token decoded included); ``request_ids`` and
+        ``samples``: its sequences' requests and sample indexes; ``commit_phases``: the
         batch's ``Scheduler.decode_commit_phases``; ``candidates``: the pairs whose token
         may finish them (``finish_decodes``).
         Returns the step as one covered step (the batch's tokens) with the plan's token
@@ -492,7 +495,7 @@ class FastForward:
             durations_s=(duration_s,),
             template=stats,
             columns={},
-            request_ids=tuple([group.request_id for group, _ in pairs]),
+            request_ids=tuple(request_ids),
             sample_indexes=tuple(samples),
             token_ids=step_tokens[:, None],
         )
