@@ -23,6 +23,7 @@ import kvbench.runner as runner_module
 from kvbench.engines.kv.paged import PagedDecodeRun
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
+from kvbench.engines.sched.scheduler import is_decode_ready
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.fast_forward import FastForward
 from kvbench.engines.slab import SlabEngine
@@ -445,25 +446,14 @@ def test_slab_eos_ends_runs():
 
 
 def _decode_batch_by_the_rule(scheduler) -> list | None:  # type: ignore[no-untyped-def]
-    """``decode_batch``'s answer read from every running group (the rule it checks only
-    for the groups marked changed): nothing swapped, no beam group, every sample group
-    forked, every sequence in decode state, the batch within the token budget. (Pending
-    rejections and a prepared step never occur below: every request fits, and an engine
-    that steps one iteration per call prepares none.)"""
+    """``decode_batch``'s answer with ``is_decode_ready`` asked of every running group
+    (``decode_batch`` asks it only of the groups marked changed): nothing swapped, every
+    group ready, the batch within the token budget. (Pending rejections and a prepared
+    step never occur below: every request fits, and an engine that steps one iteration
+    per call prepares none.)"""
     running = scheduler.running
-    if scheduler.swapped or not running:
+    if scheduler.swapped or not running or not all(map(is_decode_ready, running)):
         return None
-    for group in running:
-        if group.is_beam or (group.num_samples > 1 and not group.has_forked):
-            return None
-        for seq in group.seqs:
-            computed = seq.num_computed_tokens
-            if (
-                len(seq.token_ids) - computed != 1
-                or computed < seq.num_prompt_tokens
-                or computed < seq.num_lost_tokens
-            ):
-                return None
     pairs = [(group, seq) for group in running for seq in group.seqs]
     return pairs if len(pairs) <= scheduler.config.max_num_batched_tokens else None
 

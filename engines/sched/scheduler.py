@@ -203,7 +203,7 @@ def is_decode_chunk(seq: Sequence, start: int, num_tokens: int) -> bool:
 _Piece = tuple[SequenceGroup, Sequence, int, int]
 
 
-def _decode_ready(group: SequenceGroup) -> bool:
+def is_decode_ready(group: SequenceGroup) -> bool:
     """Whether a running group may join a decode batch: not a beam group (beams are
     ranked jointly), forked if it runs several samples, and every sequence in decode
     state: only its newest token lacks KV, that token is an output (not the prompt's
@@ -284,7 +284,7 @@ class Scheduler:
         # Groups changed other than by the decode-run methods since ``decode_batch`` last
         # returned a batch (by id): joining ``running``, computing chunks, taking tokens,
         # forking. Invariant (``check``): every running group not in it is decode-ready
-        # (``_decode_ready``), since the decode-run methods keep a group ready. So
+        # (``is_decode_ready``), since the decode-run methods keep a group ready. So
         # ``decode_batch`` checks only these, and reports them as the batch's changes.
         self._unchecked: dict[int, SequenceGroup] = {}
 
@@ -490,7 +490,7 @@ class Scheduler:
         unchecked = self._unchecked
         running_status = GroupStatus.RUNNING
         for group in unchecked.values():
-            if group.status is running_status and not _decode_ready(group):
+            if group.status is running_status and not is_decode_ready(group):
                 return None
         pairs = [(group, seq) for group in self.running for seq in group.seqs]
         if len(pairs) > self.config.max_num_batched_tokens:
@@ -1376,7 +1376,7 @@ class Scheduler:
                     f"{group.request_id} seq {seq.seq_id}: waiting but holds KV"
                 )
         for group in self.running:
-            assert id(group) in self._unchecked or _decode_ready(group), (
+            assert id(group) in self._unchecked or is_decode_ready(group), (
                 f"{group.request_id}: not decode-ready but not marked changed (_unchecked)"
             )
         num_seqs = sum(group.num_samples for group in self.running)
