@@ -785,15 +785,12 @@ class PagedDecodeRun:
 
     def rows_now(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Slot counts modulo the block size and last blocks (int64, own copies) now of
-        the run's sequences ``rows`` (int64 [n]; negative entries give -1, -1). A full
-        last block's entry may be stale (a commit may have switched it for its cached
-        twin) and is never read: the next step gives that sequence a fresh block. Pure."""
+        the run's sequences ``rows`` (int64 [n]; a negative entry gives the last row's
+        values, for the caller to overwrite). A full last block's entry may be stale (a
+        commit may have switched it for its cached twin) and is never read: the next
+        step gives that sequence a fresh block. Pure."""
         residues = (self._residues[rows] + self._num_steps) % self._kv.block_size
-        lasts = self._lasts[rows]
-        unknown = rows < 0  # read row -1 above
-        residues[unknown] = -1
-        lasts[unknown] = -1
-        return residues, lasts
+        return residues, self._lasts[rows]
 
     def snapshot(self) -> tuple[Any, ...]:
         """The run's state as plain values (the manager's sequence records by identity,

@@ -134,6 +134,11 @@ class _Carry:
     columns: BatchColumns
     run: DecodeRun
 
+    @classmethod
+    def of(cls, seq_ids: list[int], columns: BatchColumns, run: DecodeRun) -> _Carry:
+        """The carry of a batch of ``seq_ids`` (in row order). Pure."""
+        return cls(dict(zip(seq_ids, range(len(seq_ids)))), columns, run)
+
 
 class RunLog:
     """A decode run's covered steps as they go: durations, KV counts, evictions, tokens."""
@@ -386,7 +391,7 @@ class FastForward:
                     plan = scheduler.admit_after_decodes(pairs, run)
                     if plan is not None:
                         # The batch decodes this one step; the admitted groups are changes.
-                        self._carry = _Carry(dict(zip(seq_ids, range(num_seqs))), columns.advanced(1), run)
+                        self._carry = _Carry.of(seq_ids, columns.advanced(1), run)
                         return self._admission_step(
                             pairs,
                             plan,
@@ -413,7 +418,7 @@ class FastForward:
                 start_s += duration_s
         # The next run carries the batch on from here (a step reserved but left to a
         # normal step, append_decodes' False, changes every group of the batch).
-        self._carry = _Carry(dict(zip(seq_ids, range(num_seqs))), columns.advanced(offset), run)
+        self._carry = _Carry.of(seq_ids, columns.advanced(offset), run)
         # Sequences finish only in the run's last step (``finish_step``), once it is taken;
         # its tokens are the last window's column ``index - 1`` (the run ends in the window
         # where it reaches ``finish_step``).
