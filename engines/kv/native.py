@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kvbench.hashing import block_key_terms
+from kvbench.hashing import chained_block_keys_into
 
 REF, SOFT, CACHED, NEXT, PREV = 0, 1, 2, 3, 4
 NUM_FREE, NUM_CACHED_FREE, NUM_RECLAIMABLE, REF_VERSION = 0, 1, 2, 3
@@ -122,77 +122,52 @@ def allocate_one(st, counts):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _incref(st, counts, b):  # pragma: no cover - compiled
-    """One hard reference more on block ``b`` (a valid id); a free block leaves the free list."""
-    r = st[REF, b]
-    if r == 0:
-        p = st[PREV, b]
-        nx = st[NEXT, b]
-        st[NEXT, p] = nx
-        st[PREV, nx] = p
-        counts[NUM_FREE] -= 1
-        if st[CACHED, b]:
-            counts[NUM_CACHED_FREE] -= 1
-    elif r == st[SOFT, b]:
-        counts[NUM_RECLAIMABLE] -= 1  # a hard reference pins a reclaimable block
-    st[REF, b] = r + 1
-
-
-@njit(cache=True, nogil=True)
-def _decref(st, counts, b, tail):  # pragma: no cover - compiled
-    """One hard reference less on block ``b`` (a valid id holding one). A block left with
-    none is linked after ``tail``; the caller links the sentinel after the last one (a
-    batch relinks it once). Returns the free list's tail: ``b`` when it became free."""
-    r = st[REF, b] - 1
-    st[REF, b] = r
-    if r == 0:
-        st[NEXT, tail] = b
-        st[PREV, b] = tail
-        counts[NUM_FREE] += 1
-        if st[CACHED, b]:
-            counts[NUM_CACHED_FREE] += 1
-        return b
-    if r == st[SOFT, b]:
-        counts[NUM_RECLAIMABLE] += 1
-    return tail
-
-
-@njit(cache=True, nogil=True)
 def incref_one(st, counts, b):  # pragma: no cover - compiled
     """``incref_many`` of one block: returns False for an id outside the pool."""
-    if b < 0 or b >= st.shape[1] - 1:
-        return False
-    counts[REF_VERSION] += 1
-    _incref(st, counts, b)
-    return True
+    ids = np.empty(1, dtype=np.int64)
+    ids[0] = b
+    return incref_many(st, counts, ids) == -1
 
 
 @njit(cache=True, nogil=True)
 def decref_one(st, counts, b):  # pragma: no cover - compiled
     """``free_many`` of one block: 1 when it became free, 0 when still held, -1 for an id
     outside the pool or a block without a hard reference (nothing changed)."""
-    if b < 0 or b >= st.shape[1] - 1 or st[REF, b] - 1 < st[SOFT, b]:
-        return -1
-    counts[REF_VERSION] += 1
-    sentinel = st.shape[1] - 1
-    tail = st[PREV, sentinel]
-    new_tail = _decref(st, counts, b, tail)
-    st[NEXT, new_tail] = sentinel
-    st[PREV, sentinel] = new_tail
-    return 1 if new_tail != tail else 0
+    ids = np.empty(1, dtype=np.int64)
+    ids[0] = b
+    num_freed, bad = free_many(st, counts, ids)
+    return -1 if bad >= 0 else num_freed
 
 
+# Per-block bodies are written out in their loops, not called: numba does not inline a
+# helper that writes to arrays it is passed, and such a call costs several times the
+# handful of reads and writes it does. (Read-only ``_slot`` is inlined.)
 @njit(cache=True, nogil=True)
 def incref_many(st, counts, block_ids):  # pragma: no cover - compiled
     """One hard reference more on each block, in order; a free block leaves the free list.
-    Returns the position of the first bad id, or -1."""
+    Returns the position of the first bad id, or -1 (the blocks before it took theirs;
+    the ref version moves only when one did)."""
     n = st.shape[1] - 1
-    counts[REF_VERSION] += 1
     for i in range(block_ids.shape[0]):
         b = block_ids[i]
         if b < 0 or b >= n:
+            if i:
+                counts[REF_VERSION] += 1
             return i
-        _incref(st, counts, b)
+        r = st[REF, b]
+        if r == 0:
+            p = st[PREV, b]
+            nx = st[NEXT, b]
+            st[NEXT, p] = nx
+            st[PREV, nx] = p
+            counts[NUM_FREE] -= 1
+            if st[CACHED, b]:
+                counts[NUM_CACHED_FREE] -= 1
+        elif r == st[SOFT, b]:
+            counts[NUM_RECLAIMABLE] -= 1  # a hard reference pins a reclaimable block
+        st[REF, b] = r + 1
+    if block_ids.shape[0]:
+        counts[REF_VERSION] += 1
     return -1
 
 
@@ -200,23 +175,36 @@ def incref_many(st, counts, block_ids):  # pragma: no cover - compiled
 def free_many(st, counts, block_ids):  # pragma: no cover - compiled
     """Drop one hard reference from each block, in order; a block left with none joins the
     free list's tail. Returns (blocks freed, position of the first block without a hard
-    reference or with a bad id, else -1)."""
+    reference or with a bad id, else -1; the blocks before it dropped theirs, and the ref
+    version moves only when one did)."""
     n = st.shape[1] - 1
-    counts[REF_VERSION] += 1
     tail = st[PREV, n]
     num_freed = 0
     bad = -1
+    num_done = block_ids.shape[0]
     for i in range(block_ids.shape[0]):
         b = block_ids[i]
         if b < 0 or b >= n or st[REF, b] - 1 < st[SOFT, b]:
             bad = i
+            num_done = i
             break
-        new_tail = _decref(st, counts, b, tail)
-        if new_tail != tail:
+        r = st[REF, b] - 1
+        st[REF, b] = r
+        if r == 0:
+            # Linked after the tail; the sentinel follows the last one (below).
+            st[NEXT, tail] = b
+            st[PREV, b] = tail
+            tail = b
             num_freed += 1
-            tail = new_tail
-    st[NEXT, tail] = n  # the sentinel after the last freed block
+            counts[NUM_FREE] += 1
+            if st[CACHED, b]:
+                counts[NUM_CACHED_FREE] += 1
+        elif r == st[SOFT, b]:
+            counts[NUM_RECLAIMABLE] += 1
+    st[NEXT, tail] = n
     st[PREV, n] = tail
+    if num_done:
+        counts[REF_VERSION] += 1
     return num_freed, bad
 
 
@@ -243,17 +231,11 @@ def set_cached(st, counts, block_ids):  # pragma: no cover - compiled
         b = block_ids[i]
         if b < 0 or b >= n:
             return i
-        _set_cached(st, counts, b)
+        if not st[CACHED, b]:
+            st[CACHED, b] = 1
+            if st[REF, b] == 0:
+                counts[NUM_CACHED_FREE] += 1
     return -1
-
-
-@njit(cache=True, nogil=True)
-def _set_cached(st, counts, b):  # pragma: no cover - compiled
-    """Flag block ``b`` (a valid id) cached; a free one counts as cached-free."""
-    if not st[CACHED, b]:
-        st[CACHED, b] = 1
-        if st[REF, b] == 0:
-            counts[NUM_CACHED_FREE] += 1
 
 
 @njit(cache=True, nogil=True)
@@ -310,41 +292,35 @@ def first_dropped(dropped_at, block_ids, stop, since):  # pragma: no cover - com
 
 @njit(cache=True, nogil=True)
 def register_run(keys, vals, used, st, counts, block_hash, block_check, hashes, checks, block_ids, start):
-    """Register block ``block_ids[j - start]`` under key ``j`` for ``j`` in ``start ..
-    start + len(block_ids)``, unless a live entry already holds the key (the first
-    registration wins), then flag the registered blocks cached. ``used`` int64 [1] counts
-    the table's used slots; the table is rebuilt from the live blocks when they pass half
-    its size. Returns how many blocks were registered."""  # pragma: no cover - compiled
-    registered = np.empty(block_ids.shape[0], dtype=np.int64)
-    k = 0
-    for j in range(block_ids.shape[0]):
-        b = block_ids[j]
-        if _enter(keys, vals, used, st, block_hash, block_check, hashes[start + j], checks[start + j], b):
-            registered[k] = b
-            k += 1
-    # Flags after the loop: a block registered above never counts as a live holder of a
-    # later key in the same run.
-    set_cached(st, counts, registered[:k])
-    if 2 * used[0] > keys.shape[0]:
-        rebuild(keys, vals, used, st, block_hash)
-    return k
-
-
-@njit(cache=True, nogil=True)
-def _enter(keys, vals, used, st, block_hash, block_check, h, check, b):  # pragma: no cover - compiled
-    """Point key ``h`` (lane 1: ``check``) at block ``b`` unless a live entry holds it (the
-    first registration wins); the caller flags ``b`` cached. Returns whether it did."""
-    i = _slot(keys, vals, h)
-    old = vals[i]
-    if old == EMPTY:
-        keys[i] = h
-        used[0] += 1
-    elif st[CACHED, old] and block_hash[old] == h:
-        return False  # a live entry keeps its block (a fresh block is never cached)
-    vals[i] = b
-    block_check[b] = check
-    block_hash[b] = h
-    return True
+    """Register block ``block_ids[i]`` under key ``start + i`` of a chain (lanes
+    ``hashes``, ``checks``), in order, unless a live entry already holds the key: the
+    first registration wins, within the call too, since each registered block is flagged
+    cached at once. ``used`` int64 [1] counts the table's used slots; the table is
+    rebuilt from the live blocks whenever they pass half its size. Returns how many
+    blocks were registered."""  # pragma: no cover - compiled
+    mask = keys.shape[0] - 1
+    num_registered = 0
+    for i in range(block_ids.shape[0]):
+        b = block_ids[i]
+        h = hashes[start + i]
+        slot = _slot(keys, vals, h)
+        old = vals[slot]
+        if old == EMPTY:
+            keys[slot] = h
+            used[0] += 1
+        elif st[CACHED, old] and block_hash[old] == h:
+            continue  # a live entry keeps its block (a fresh block is never cached)
+        vals[slot] = b
+        block_hash[b] = h
+        block_check[b] = checks[start + i]
+        if not st[CACHED, b]:
+            st[CACHED, b] = 1
+            if st[REF, b] == 0:
+                counts[NUM_CACHED_FREE] += 1
+        num_registered += 1
+        if 2 * used[0] > mask + 1:
+            rebuild(keys, vals, used, st, block_hash)
+    return num_registered
 
 
 @njit(cache=True, nogil=True)
@@ -370,14 +346,14 @@ def allocate_steps_registering(
     Entry ``e`` keys its block, block ``position`` of its sequence, from ``tokens[e * bs :
     (e + 1) * bs]`` as ``kvbench.hashing.chained_block_keys_into`` keys it, chained from
     its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated as its
-    entries are keyed, so a sequence's entries chain in order),
-    and registers it as a ``register_run`` call of its own would: flagged cached at once
-    (a later entry sees it), the table rebuilt when half full. Returns
+    entries are keyed, so a sequence's entries chain in order); each step's entries are
+    then registered by one ``register_run`` call, in order. Returns
     ``allocate_steps``' three arrays, the entries' keys uint64 [entries, 2] and how many
     blocks were registered."""
     num_entries = entries.shape[0]
     out, reused, reused_per_step = _step_buffers(needs)
-    entry_keys = np.empty((num_entries, 2), dtype=np.uint64)
+    entry_keys = np.empty((2, num_entries), dtype=np.uint64)  # lanes 0 and 1, returned as [entries, 2]
+    blocks = np.ascontiguousarray(entries[:, 3])
     at = 0
     k = 0
     e = 0
@@ -387,23 +363,38 @@ def allocate_steps_registering(
         reused_per_step[t] = n
         at += needs[t]
         k += n
+        first = e
         while e < num_entries and entries[e, 0] == t:
+            # Keying reads only the tokens and lanes, never the table: a step's entries
+            # are keyed first, then registered in order.
             row = entries[e, 1]
-            term_a, term_b = block_key_terms(tokens, e * multipliers.shape[0], multipliers, entries[e, 2])
-            h = lanes[row, 0] + term_a
-            check = lanes[row, 1] + term_b
-            lanes[row, 0] = h
-            lanes[row, 1] = check
-            entry_keys[e, 0] = h
-            entry_keys[e, 1] = check
-            b = entries[e, 3]
-            if _enter(keys, vals, used, st, block_hash, block_check, h, check, b):
-                _set_cached(st, counts, b)
-                registered += 1
-            if 2 * used[0] > keys.shape[0]:
-                rebuild(keys, vals, used, st, block_hash)
+            bs = multipliers.shape[0]
+            chained_block_keys_into(
+                tokens[e * bs : (e + 1) * bs],
+                multipliers,
+                entries[e, 2],
+                lanes[row],
+                entry_keys[0, e : e + 1],
+                entry_keys[1, e : e + 1],
+            )
+            lanes[row, 0] = entry_keys[0, e]
+            lanes[row, 1] = entry_keys[1, e]
             e += 1
-    return out, reused[:k], reused_per_step, entry_keys, registered
+        if e > first:
+            registered += register_run(
+                keys,
+                vals,
+                used,
+                st,
+                counts,
+                block_hash,
+                block_check,
+                entry_keys[0],
+                entry_keys[1],
+                blocks[first:e],
+                first,
+            )
+    return out, reused[:k], reused_per_step, entry_keys.T, registered
 
 
 @njit(cache=True, nogil=True)
