@@ -108,6 +108,31 @@ def test_bulk_calls_stopped_midway_leave_a_consistent_pool():
     assert pool.num_free == 2 and pool.free_blocks()[-1] == blocks[0]
 
 
+def test_ref_version_moves_only_when_a_reference_changes():
+    # A prefix index keeps a match's count of unreferenced blocks while the version holds.
+    pool = BlockPool(3)
+    blocks = pool.allocate_many(2)  # allocations leave it (their blocks are returned)
+    version = pool.ref_version
+    pool.incref_many([])
+    pool.free_many([])
+    with pytest.raises(IndexError):
+        pool.incref_many([99])
+    with pytest.raises(ValueError, match="block 2 has no hard reference"):
+        pool.free_many([2])
+    with pytest.raises(ValueError, match="block 2 has no hard reference"):
+        pool.decref(2)
+    assert pool.ref_version == version
+    pool.incref(blocks[0])
+    assert pool.ref_version == version + 1
+    with pytest.raises(IndexError):
+        pool.incref_many([blocks[1], 99])  # blocks[1] took its reference first
+    assert pool.ref_version == version + 2 and pool.ref_count(blocks[1]) == 2
+    pool.free_many([blocks[0], blocks[1]])
+    pool.decref(blocks[0])
+    assert pool.ref_version == version + 4
+    pool.check()
+
+
 def test_check_detects_a_corrupted_free_list():
     pool = BlockPool(3)
     pool.state[PREV, 1] = 2  # break the back pointer of block 1 (the state is writable on purpose)

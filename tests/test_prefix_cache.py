@@ -94,6 +94,26 @@ def test_hash_index_keeps_the_first_block_for_a_duplicate_key():
     index.check()
 
 
+def test_register_run_keeps_the_first_block_for_a_key_repeated_in_one_call():
+    # A chain's keys never repeat within one sequence, but the compiled registration
+    # promises "first registration wins" within one call as across calls: it flags each
+    # block cached as it registers it, so the second block meets a live entry.
+    pool = BlockPool(4)
+    keys = np.zeros(64, dtype=np.uint64)
+    vals = np.full(64, native.EMPTY, dtype=np.int32)
+    used = np.zeros(1, dtype=np.int64)
+    block_hash = np.zeros(4, dtype=np.uint64)
+    block_check = np.zeros(4, dtype=np.uint64)
+    blocks = np.array(pool.allocate_many(3), dtype=np.int64)
+    lanes = np.array([7, 7, 9], dtype=np.uint64)
+    args = (keys, vals, used, pool.state, pool.counts, block_hash, block_check)
+    assert native.register_run(*args, lanes, lanes, blocks, 0) == 2
+    assert native.lookup(keys, vals, np.uint64(7)) == blocks[0]
+    assert native.lookup(keys, vals, np.uint64(9)) == blocks[2]
+    assert [pool.is_cached(int(b)) for b in blocks] == [True, False, True]
+    assert int(used[0]) == 2
+
+
 def test_hash_index_forgets_a_block_when_the_pool_reuses_it():
     pool, index = bound(BlockHashPrefixIndex(), num_blocks=1)
     b = pool.allocate()
