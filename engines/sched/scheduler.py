@@ -633,27 +633,19 @@ class Scheduler:
     def finish_decodes(
         self, pairs: list[tuple[SequenceGroup, Sequence]], candidates: SequenceOf[int]
     ) -> None:
-        """End a decode run: the peak KV slots of its groups, which only grew during it (no
-        slot is freed in a run), so one update at the end equals one per step. Then
-        retire, in pair order, every sequence among ``pairs[i]`` for ``i`` in
-        ``candidates`` (ascending) that is done, as ``append_token`` does after a normal
-        step (``pop_finished`` reports their requests): the caller names those that may
-        have produced their last token in the run's last step (a superset is fine).
-        Mutates the groups' peak counters and, on retirement, the queues and the KV
-        manager (frees)."""
-        shared: dict[int, SequenceGroup] = {}
-        for group, seq in pairs:
-            if len(group.seqs) == 1:
-                # One sequence: it holds exactly its computed tokens' slots (_update_peaks).
-                slots = seq.num_computed_tokens
-                if slots > group.peak_kv_slots:
-                    group.peak_kv_slots = slots
-                if slots > group.peak_kv_slots_unshared:
-                    group.peak_kv_slots_unshared = slots
-            else:
-                shared[id(group)] = group
-        for group in shared.values():
-            self._update_peaks(group)
+        """End a decode run: the peak KV slots of its groups of several sequences, which
+        only grew during it (no slot is freed in a run), so one update at the end equals
+        one per step (a lone sequence's peak follows its computed tokens:
+        ``SequenceGroup.settle_peaks``). Then retire, in pair order, every sequence among
+        ``pairs[i]`` for ``i`` in ``candidates`` (ascending) that is done, as
+        ``append_token`` does after a normal step (``pop_finished`` reports their
+        requests): the caller names those that may have produced their last token in the
+        run's last step (a superset is fine). Mutates those groups' peak counters and, on
+        retirement, the queues and the KV manager (frees)."""
+        if not self._single_samples():
+            shared = {id(group): group for group, _ in pairs if len(group.seqs) > 1}
+            for group in shared.values():
+                self._update_peaks(group)
         for index in candidates:
             group, seq = pairs[index]
             if group.is_finished_token(seq):
@@ -909,6 +901,7 @@ class Scheduler:
         """Drop every KV block of a preempted group (device and host) and queue it to be
         computed again. Mutates the KV manager, the group and the waiting queue."""
         kv = self.kv
+        group.settle_peaks()  # before its computed count drops
         for seq in group.seqs:
             seq.num_lost_tokens = max(seq.num_lost_tokens, seq.num_computed_tokens)
             seq.num_computed_tokens = 0
@@ -1126,13 +1119,8 @@ class Scheduler:
             chunks.append(
                 _new_tuple(ScheduledChunk, (seq.seq_id, token_ids, start, table, end == seq_len, is_decode))
             )
-            if len(group.seqs) == 1:
-                # One sequence: it holds exactly the slots up to this chunk's end.
-                if end > group.peak_kv_slots:
-                    group.peak_kv_slots = end
-                if end > group.peak_kv_slots_unshared:
-                    group.peak_kv_slots_unshared = end
-            else:
+            if len(group.seqs) != 1:
+                # A lone sequence's peak follows its computed tokens (SequenceGroup.settle_peaks).
                 touched[id(group)] = group
         for group in touched.values():
             self._update_peaks(group)
@@ -1186,6 +1174,7 @@ class Scheduler:
         Returns the samples in order. Mutates the group, the KV manager and peak counters.
         """
         self._unchecked[id(group)] = group
+        group.settle_peaks()  # the lone sequence's peak, before the group forks
         parent = group.seqs[0]
         samples = [parent]
         for index in range(1, len(token_ids)):
@@ -1216,6 +1205,7 @@ class Scheduler:
         """
         kv = self.kv
         self._unchecked[id(group)] = group
+        group.settle_peaks()  # a lone beam's peak, before the beams change
         chosen_parents = {id(parent) for parent, _, _ in chosen}
         for beam in group.seqs:
             if id(beam) not in chosen_parents:
@@ -1275,6 +1265,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
     def _finish_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        group.settle_peaks()  # a lone sequence's peak, before it leaves the group
         self.kv.free(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
         group.finished_outputs[seq.sample_index] = seq.output_token_ids
@@ -1291,14 +1282,11 @@ class Scheduler:
         self._finished.append(group.to_finished())
 
     def _update_peaks(self, group: SequenceGroup) -> None:
-        """Track the most KV slots the group held at once, with and without sharing."""
+        """Track the most KV slots the group held at once, with and without sharing (a
+        lone sequence: ``SequenceGroup.settle_peaks``)."""
         kv = self.kv
         if len(group.seqs) == 1:
-            slots = kv.num_tokens(group.seqs[0].seq_id)
-            if slots > group.peak_kv_slots:
-                group.peak_kv_slots = slots
-            if slots > group.peak_kv_slots_unshared:
-                group.peak_kv_slots_unshared = slots
+            group.settle_peaks()
             return
         bs = self.block_size
         used_per_block: dict[int, int] = {}

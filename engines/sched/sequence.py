@@ -161,6 +161,12 @@ class SequenceGroup:
         self.num_recomputed_tokens = 0
         self.num_cached_prompt_tokens = 0
         self.was_scheduled = False
+        # The most KV slots the group held at once, with and without sharing. While the
+        # group has one sequence the figures are these fields or that sequence's computed
+        # tokens, whichever is larger (``settle_peaks``): after each step a lone sequence
+        # holds exactly its computed tokens' slots, and they only grow until a recompute
+        # preemption or a fork, which settle the fields first. A group of several
+        # sequences keeps the fields current (the scheduler's ``_update_peaks``).
         self.peak_kv_slots = 0
         self.peak_kv_slots_unshared = 0
         # Sequences of a running (or swapped) group that hold no KV yet: after a recompute
@@ -181,8 +187,20 @@ class SequenceGroup:
             return True
         return self.stops_at_eos and num_output_tokens > 0 and tokens[-1] == self.eos_token_id
 
+    def settle_peaks(self) -> None:
+        """Fold a lone sequence's computed tokens into the peak fields (a no-op for a group
+        of several). Call before its computed count drops or the group forks, and
+        before reading the fields. Mutates the peak fields."""
+        if len(self.seqs) == 1:
+            slots = self.seqs[0].num_computed_tokens
+            if slots > self.peak_kv_slots:
+                self.peak_kv_slots = slots
+            if slots > self.peak_kv_slots_unshared:
+                self.peak_kv_slots_unshared = slots
+
     def to_finished(self) -> FinishedRequest:
         """The request's record once every sequence is done; beams best first."""
+        self.settle_peaks()
         if self.is_beam:
             ranked = sorted(self.finished_beams, key=lambda beam: -beam[0])[: self.request.beam_width]
             outputs = tuple(tokens for _, tokens in ranked)
