@@ -298,7 +298,6 @@ def register_run(keys, vals, used, st, counts, block_hash, block_check, hashes, 
     cached at once. ``used`` int64 [1] counts the table's used slots; the table is
     rebuilt from the live blocks whenever they pass half its size. Returns how many
     blocks were registered."""  # pragma: no cover - compiled
-    mask = keys.shape[0] - 1
     num_registered = 0
     for i in range(block_ids.shape[0]):
         b = block_ids[i]
@@ -318,7 +317,7 @@ def register_run(keys, vals, used, st, counts, block_hash, block_check, hashes, 
             if st[REF, b] == 0:
                 counts[NUM_CACHED_FREE] += 1
         num_registered += 1
-        if 2 * used[0] > mask + 1:
+        if 2 * used[0] > keys.shape[0]:
             rebuild(keys, vals, used, st, block_hash)
     return num_registered
 
