@@ -29,14 +29,19 @@ step_plan = st.lists(
 
 def _state(m: PagedKVManager, tokens: dict[int, KeyedTokenIds], probes: list[list[int]]) -> tuple:
     """What the two managers must agree on: pool arrays, registrations, every live
-    sequence's keys and table, and what probe prompts match."""
+    sequence's table and what its own tokens match (a fresh chain's keys: its blocks
+    were registered under the right keys, however a batch keyed them), and what probe
+    prompts match."""
     index = m.prefix_index
     return (
         m.pool.state.tobytes(),
         m.pool.counts.tobytes(),
         index.num_cached_blocks,
         {
-            seq_id: (ids.key_chain.hashes.tolist() if ids.key_chain else [], m.block_table(seq_id))
+            seq_id: (
+                index.match(list(ids), ids.key_chain.extra_key if ids.key_chain else None).block_ids,
+                m.block_table(seq_id),
+            )
             for seq_id, ids in tokens.items()
         },
         [index.match(probe, salt).block_ids for probe in probes for salt in (None, "s")],

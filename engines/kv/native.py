@@ -345,13 +345,13 @@ def allocate_steps_registering(
     Entry ``e`` keys its block, block ``position`` of its sequence, from ``tokens[e * bs :
     (e + 1) * bs]`` as ``kvbench.hashing.chained_block_keys_into`` keys it, chained from
     its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated as its
-    entries are keyed, so a sequence's entries chain in order); each step's entries are
-    then registered by one ``register_run`` call, in order. Returns
-    ``allocate_steps``' three arrays, the entries' keys uint64 [entries, 2] and how many
-    blocks were registered."""
+    entries are keyed, so a sequence's entries chain in order and each row ends at its
+    last entry's key); each step's entries are then registered by one ``register_run``
+    call, in order. Returns ``allocate_steps``' three arrays and how many blocks were
+    registered."""
     num_entries = entries.shape[0]
     out, reused, reused_per_step = _step_buffers(needs)
-    entry_keys = np.empty((2, num_entries), dtype=np.uint64)  # lanes 0 and 1, returned as [entries, 2]
+    entry_keys = np.empty((2, num_entries), dtype=np.uint64)  # lanes 0 and 1 of each entry's key
     blocks = np.ascontiguousarray(entries[:, 3])
     at = 0
     k = 0
@@ -393,7 +393,7 @@ def allocate_steps_registering(
                 blocks[first:e],
                 first,
             )
-    return out, reused[:k], reused_per_step, entry_keys.T, registered
+    return out, reused[:k], reused_per_step, registered
 
 
 @njit(cache=True, nogil=True)

@@ -249,27 +249,34 @@ _NO_BLOCKS = np.empty(0, dtype=np.int64)
 
 
 class _SeqHashState:
-    """How far a sequence's full blocks are registered, and the key chain to continue from."""
+    """How far a sequence's full blocks are registered: ``num_blocks``, ``last_key`` (both
+    lanes of block ``num_blocks - 1``'s key, or the chain's start: what the next block's
+    key chains from) and its tokens' key chain, which may lag behind ``num_blocks``
+    (decode registrations key blocks without appending them to it). ``chain`` and
+    ``last_key`` are both None before the sequence's first commit when it was acquired
+    without one (a plain token list that matched nothing)."""
 
-    __slots__ = ("num_blocks", "chain")
+    __slots__ = ("num_blocks", "chain", "last_key")
 
     def __init__(self, num_blocks: int, chain: BlockKeyChain | None) -> None:
+        """``chain`` (None, or keyed up to at least ``num_blocks`` blocks) gives ``last_key``."""
         self.num_blocks = num_blocks
         self.chain = chain
+        self.last_key = None if chain is None else chain.key_before(num_blocks)
 
 
 class _StepRegistrations:
     """Decode-block registrations gathered for ``native.allocate_steps_registering``: per
     entry its step, its sequence's row, its block's position and id (``entries``, flat
     quadruples) and ids (``tokens``, ``block_size`` each); per row (sequence, in
-    first-seen order) its state, chain, last key (``lanes``, flat pairs) and entries so far."""
+    first-seen order) its state, last key (``lanes``, flat pairs) and entries so far."""
 
     __slots__ = ("block_size", "rows", "states", "num_entries", "lanes", "entries", "tokens")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.rows: dict[int, int] = {}  # seq id -> row
-        self.states: list[tuple[_SeqHashState, BlockKeyChain]] = []
+        self.states: list[_SeqHashState] = []
         self.num_entries: list[int] = []
         self.lanes: list[int] = []
         self.entries: list[int] = []
@@ -280,19 +287,18 @@ class _StepRegistrations:
         step: int,
         seq_id: int,
         state: _SeqHashState,
-        chain: BlockKeyChain,
         position: int,
         block: int,
         token_ids: Sequence[int],
     ) -> None:
         """One entry: block ``block`` at ``position`` of ``seq_id`` (whose ids ``token_ids``
-        fill it), registered after step ``step``."""
+        fill it; ``state.last_key`` is set), registered after step ``step``."""
         row = self.rows.get(seq_id)
         if row is None:
             row = self.rows[seq_id] = len(self.states)
-            self.states.append((state, chain))
+            self.states.append(state)
             self.num_entries.append(1)
-            self.lanes += chain.last_key
+            self.lanes += state.last_key
         else:
             self.num_entries[row] += 1
         self.entries += (step, row, position, block)
@@ -458,9 +464,7 @@ class BlockHashPrefixIndex:
                 state = self._seq(seq_id)
                 frontier = state.num_blocks
                 if frontier <= num_matched and (
-                    frontier == 0
-                    or state.chain is None
-                    or state.chain.hashes[frontier - 1] == hashes[frontier - 1]
+                    frontier == 0 or state.last_key is None or state.last_key[0] == int(hashes[frontier - 1])
                 ):
                     return None
         if chain.match_owner is not self or chain.match_blocks is not match.block_ids:
@@ -516,11 +520,12 @@ class BlockHashPrefixIndex:
             first,
         )
         state.num_blocks = num_full
+        state.last_key = chain.key_before(num_full)
         return ()
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
         """See ``PrefixIndex.commit_many``. An entry that completes exactly the next block
-        of a sequence whose chain is keyed up to its registrations (a decode commit) joins
+        of a sequence whose last registered key is known (a decode commit) joins
         a batch keyed and registered in one compiled call (``_register_in_steps`` with no
         blocks to take); any other entry is a plain ``commit``, after the batch so far
         (registration order decides which of two equal keys wins)."""
@@ -533,15 +538,13 @@ class BlockHashPrefixIndex:
             num_full = len(token_ids) // bs
             if num_full <= first:
                 continue  # no new full block
-            chain = state.chain
             if (
                 num_full == first + 1
-                and chain is not None
-                and chain.num_blocks == first
+                and state.last_key is not None
                 and len(block_ids) > first
                 and seq_id not in batch.rows  # a second entry would key from a stale state
             ):
-                batch.add(0, seq_id, state, chain, first, block_ids[first], token_ids)
+                batch.add(0, seq_id, state, first, block_ids[first], token_ids)
                 continue
             if batch.rows:
                 self._register_in_steps(_NO_NEEDS, batch)
@@ -555,8 +558,8 @@ class BlockHashPrefixIndex:
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """See ``PrefixIndex.allocate_decode_steps``: one compiled pass
         (``_register_in_steps``) when every entry completes exactly the next block of its
-        sequence (counting its earlier entries in the call), whose chain is keyed up to its
-        registrations, from a block already in its table; else None."""
+        sequence (counting its earlier entries in the call), whose last registered key is
+        known, from a block already in its table; else None."""
         if pool is not self._pool:
             raise ValueError(
                 "BlockHashPrefixIndex.allocate_decode_steps: not the pool this index is bound to"
@@ -573,19 +576,18 @@ class BlockHashPrefixIndex:
                 row = steps.rows.get(seq_id)
                 if row is None:
                     state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
-                    chain = state.chain
-                    if chain is None or chain.num_blocks != state.num_blocks:
+                    if state.last_key is None:
                         return None
                     first = state.num_blocks
                 else:
-                    state, chain = steps.states[row]
+                    state = steps.states[row]
                     first = state.num_blocks + steps.num_entries[row]
                 num_full = len(token_ids) // bs
                 if num_full <= first:
                     continue  # no new full block
                 if num_full != first + 1 or first >= len(block_ids):
                     return None
-                steps.add(step, seq_id, state, chain, first, block_ids[first], token_ids)
+                steps.add(step, seq_id, state, first, block_ids[first], token_ids)
         return self._register_in_steps(needs, steps)
 
     def _register_in_steps(
@@ -593,12 +595,15 @@ class BlockHashPrefixIndex:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Take ``needs[t]`` blocks per step ``t`` (int64 [steps]) and key and register
         ``steps``' entries after their steps, in one compiled pass
-        (``native.allocate_steps_registering``); the chains gain the keys, the states
-        count the blocks and the pool's reuse listener hears of the cached blocks taken.
-        Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index and chains."""
+        (``native.allocate_steps_registering``); the states count the blocks and take
+        their last keys (the chains are left behind: see ``BlockKeyChain``), and the
+        pool's reuse listener hears of the cached blocks taken. Returns
+        ``BlockPool.allocate_steps``' result. Mutates the pool, index and states."""
         pool = self._bound_pool()
         self._version += 1
-        taken, reused, reused_per_step, keys, registered = native.allocate_steps_registering(
+        # uint64 [rows, 2]: each row's last key, as of its last entry once the call returns.
+        lanes = np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2)
+        taken, reused, reused_per_step, registered = native.allocate_steps_registering(
             pool.state,
             pool.counts,
             needs,
@@ -610,14 +615,12 @@ class BlockHashPrefixIndex:
             block_multipliers(self._block_size),
             np.array(steps.entries, dtype=np.int64).reshape(-1, 4),  # [entries, 4]
             np.array(steps.tokens, dtype=np.int64),
-            np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2),  # [rows, 2]
+            lanes,
         )
         self._num_registered += registered
-        states = steps.states
-        for row, (lane_0, lane_1) in zip(steps.entries[1::4], keys.tolist()):
-            state, chain = states[row]
-            chain.append_key(lane_0, lane_1)
-            state.num_blocks += 1
+        for state, num_entries, (lane_0, lane_1) in zip(steps.states, steps.num_entries, lanes.tolist()):
+            state.num_blocks += num_entries
+            state.last_key = (lane_0, lane_1)
         pool.tell_reused(reused)  # the drops, as the pool's allocations would have told
         return taken, reused_per_step
 
@@ -626,8 +629,9 @@ class BlockHashPrefixIndex:
             raise ValueError(f"BlockHashPrefixIndex.fork: seq {child_seq_id} already tracked")
         parent = self._seq(parent_seq_id)
         # The copy shares every full block so far; the chains diverge from the next one.
-        chain = None if parent.chain is None else parent.chain.copy()
-        self._seqs[child_seq_id] = _SeqHashState(parent.num_blocks, chain)
+        child = self._seqs[child_seq_id] = _SeqHashState(parent.num_blocks, None)
+        child.chain = None if parent.chain is None else parent.chain.copy()
+        child.last_key = parent.last_key
 
     def release(self, seq_id: int) -> None:
         self._seq(seq_id)

@@ -37,7 +37,10 @@ class BlockKeyChain:
     (lane 0) and ``checks[i]`` (lane 1) of ``kvbench.hashing``'s chained block keys, which
     depend on every token up to the block's end. ``extend`` keys new blocks in one
     compiled loop (``kvbench.hashing.chained_block_keys_into``; from the prompt's own array in an
-    ``ArrayTokenIds``): O(new blocks x block_size).
+    ``ArrayTokenIds``): O(new blocks x block_size). A chain may lag behind its sequence:
+    the index keys a decoding sequence's new blocks in its own compiled pass and keeps
+    only the last key (``BlockHashPrefixIndex``), so a later ``extend`` (a recompute's
+    match, a fork's commit) keys those blocks again from the tokens, to the same keys.
 
     It also memoises the last match of the chain against one index (the ``match_*``
     slots): a waiting sequence is matched every step it stays blocked, and re-walking a
@@ -125,16 +128,17 @@ class BlockKeyChain:
         self.num_blocks = num_blocks
         self.last_key = (int(self._hashes[num_blocks - 1]), int(self._checks[num_blocks - 1]))
 
-    def append_key(self, lane_0: int, lane_1: int) -> None:
-        """Add the next block's key (both lanes), computed elsewhere from the same
-        definition (``native.allocate_steps_registering``). Mutates the chain."""
-        n = self.num_blocks
-        if n == self._hashes.shape[0]:
-            self._reserve(n + 1)
-        self._hashes[n] = lane_0
-        self._checks[n] = lane_1
-        self.num_blocks = n + 1
-        self.last_key = (lane_0, lane_1)
+    def key_before(self, num_blocks: int) -> tuple[int, int]:
+        """The key (both lanes, Python ints) block ``num_blocks`` chains from: block
+        ``num_blocks - 1``'s, or the chain's start for block 0. Pure; IndexError when
+        ``num_blocks`` exceeds the blocks keyed so far."""
+        if num_blocks > self.num_blocks:
+            raise IndexError(f"BlockKeyChain.key_before: block {num_blocks} of {self.num_blocks} keyed")
+        if num_blocks == self.num_blocks:
+            return self.last_key
+        if num_blocks == 0:
+            return (chain_start(self.extra_key, 0), chain_start(self.extra_key, 1))
+        return (int(self._hashes[num_blocks - 1]), int(self._checks[num_blocks - 1]))
 
     def _reserve(self, num_blocks: int) -> None:
         """Room for ``num_blocks`` keys (capacity doubling: amortised O(1) per key)."""
