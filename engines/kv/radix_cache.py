@@ -55,6 +55,7 @@ class _Node:
         "children",
         "key",
         "start",
+        "end",
         "block_ids",
         "lock_count",
         "last_access",
@@ -68,16 +69,15 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.key = key  # token ids of this edge, positions [start, start + len(key))
         self.start = start
+        # start + len(key), kept as a field (read on every commit): only _extend grows a
+        # key; a split moves start and drops the key's head by the same count.
+        self.end = start + len(key)
         self.block_ids = block_ids  # logical blocks start // bs .. (end - 1) // bs
         self.lock_count = 0
         self.last_access = 0
         self.node_id = node_id
         self.alive = True
         self.locked_children: set[_Node] = set()  # children with lock_count > 0
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.key)
 
 
 class _SeqState:
@@ -211,7 +211,9 @@ class RadixPrefixIndex:
             )
         old = state.node
         start_node = old if old is not None else self._root(extra_key)
-        new_tokens = list(token_ids[pos:end])
+        new_tokens = token_ids[pos:end]
+        if type(new_tokens) is not list:  # a slice of the project's token ids is a new list
+            new_tokens = list(new_tokens)
         shared: list[tuple[int, int]] = []
         if old is not None and state.owns_node and self._can_extend(old, block_ids):
             self._extend(old, new_tokens, block_ids)
@@ -226,7 +228,7 @@ class RadixPrefixIndex:
         state.node = target
         state.num_tokens = end
         state.owns_node = created
-        return tuple(shared)
+        return tuple(shared) if shared else ()
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
         raise TypeError(
@@ -315,6 +317,10 @@ class RadixPrefixIndex:
                 assert child.key and child.key[0] == first, f"node {child.node_id}: keyed by wrong token"
                 assert child.start == node.end, (
                     f"node {child.node_id}: starts at {child.start}, not {node.end}"
+                )
+                assert child.end == child.start + len(child.key), (
+                    f"node {child.node_id}: ends at {child.end}, its key covers [{child.start}, "
+                    f"{child.start + len(child.key)})"
                 )
                 want = (child.end - 1) // bs - child.start // bs + 1
                 assert len(child.block_ids) == want, (
@@ -536,12 +542,16 @@ class RadixPrefixIndex:
         return node.block_ids[-1] == block_ids[end // self._block_size]
 
     def _extend(self, node: _Node, tokens: list[int], block_ids: Sequence[int]) -> None:
-        pool = self._bound_pool()
         bs = self._block_size
         old_end = node.end
         node.key.extend(tokens)
+        node.end = end = old_end + len(tokens)
         first_new_k = (old_end - 1) // bs + 1
-        for k in range(first_new_k, (node.end - 1) // bs + 1):
+        last_k = (end - 1) // bs
+        if first_new_k > last_k:
+            return  # the tokens fill the node's last block (most decode commits)
+        pool = self._bound_pool()
+        for k in range(first_new_k, last_k + 1):
             b = block_ids[k]
             pool.incref(b)  # hard: the node is locked
             node.block_ids.append(b)
