@@ -348,7 +348,7 @@ class PagedKVManager(SeqTable):
                 raise ValueError("try_decode_run: previous is not a decode run of this manager")
             residues, last_blocks = previous.rows_now(rows)
             # The carried rows are live (a run's sequences were); the others are read.
-            for index in np.flatnonzero(rows < 0).tolist():
+            for index in (rows < 0).nonzero()[0].tolist():
                 seq = seqs[index]
                 if seq is None:
                     return None  # not a live sequence
@@ -833,7 +833,7 @@ class PagedDecodeRun:
             seq.num_tokens += 1
         # The others start a fresh block, in sequence order (the pool's order): what
         # append(seq, 1) does for each, the in-place writes above touching no pool state.
-        crossing = np.flatnonzero(~in_place)
+        crossing = (~in_place).nonzero()[0]
         num_fresh = len(crossing)
         if num_fresh and kv.pool.num_free >= num_fresh:
             # No eviction in between: the blocks _grow(seq, 1) would take one by one, taken

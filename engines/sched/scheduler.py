@@ -555,7 +555,7 @@ class Scheduler:
         holds (a radix index swaps a sample's full block for its cached twin).
         Mutates the sequences, the prefix index (commit) and those groups' peaks."""
         kv = self.kv
-        committing = np.flatnonzero(commit_phases == step % kv.commit_interval).tolist()
+        committing = (commit_phases == step % kv.commit_interval).nonzero()[0].tolist()
         # Only a group of several samples can shrink.
         if committing and not self._single_samples():
             seq_groups = self._seqs

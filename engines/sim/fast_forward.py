@@ -60,7 +60,7 @@ def _finishing(
     done = to_limit <= step
     if eos_rows is not None:
         done |= eos_rows & (step_tokens == eos)
-    return np.flatnonzero(done).tolist()
+    return done.nonzero()[0].tolist()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,7 +105,17 @@ class BatchColumns:
 
     def advanced(self, num_steps: int) -> BatchColumns:
         """These columns after ``num_steps`` decode steps (each adds a token). Pure."""
-        return dataclasses.replace(self, lengths=self.lengths + num_steps)
+        # Built directly: dataclasses.replace reads the fields' metadata on every call,
+        # once per decode run.
+        return BatchColumns(
+            self.lengths + num_steps,
+            self.num_prompt_tokens,
+            self.max_new_tokens,
+            self.stops_at_eos,
+            self.samples,
+            self.bases,
+            self.request_ids,
+        )
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The columns in field order. Pure."""
@@ -206,9 +216,13 @@ class RunLog:
             num_running=num_seqs,
             queues=self.queues,
         )
-        columns: dict[str, SequenceOf[Any]] = dict(kv.usage_columns(self.counts))
-        columns["num_evicted_blocks"] = self.evicted
-        columns["num_decode_context_tokens"] = contexts
+        # Columns only where steps differ: a single step is its template, as in
+        # _admission_step (the recorder repeats template values for steps without one).
+        columns: dict[str, SequenceOf[Any]] = {}
+        if num_steps > 1:
+            columns.update(kv.usage_columns(self.counts))
+            columns["num_evicted_blocks"] = self.evicted
+            columns["num_decode_context_tokens"] = contexts
         return CoveredSteps(
             durations_s=tuple(self.durations_s),
             template=template,
@@ -263,7 +277,7 @@ class FastForward:
             for seq in group.seqs:
                 known.pop(seq.seq_id, None)
         rows = np.fromiter(map(known.get, seq_ids, repeat(-1)), dtype=np.int64, count=len(seq_ids))
-        fresh_at = np.flatnonzero(rows < 0)
+        fresh_at = (rows < 0).nonzero()[0]
         fresh = (
             BatchColumns.read([pairs[index] for index in fresh_at.tolist()], tokens)
             if fresh_at.size
