@@ -2,8 +2,10 @@
 
 The block-hash index keys and registers a step's decode commits in one compiled call
 (``native.allocate_steps_registering``); everything it leaves behind must equal what separate
-``commit`` calls leave, including which of two equal keys wins, chains keyed from the
-salt, a sequence committed twice in one step and hash-table rebuilds mid-batch.
+``commit`` calls leave (the pool, the registrations and each sequence's registered count
+and last key; not the token ids' key chains, which a batch leaves behind: see
+``BlockKeyChain``), including which of two equal keys wins, chains keyed from the salt, a
+sequence committed twice in one step and hash-table rebuilds mid-batch.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ step_plan = st.lists(
 
 def _state(m: PagedKVManager, tokens: dict[int, KeyedTokenIds], probes: list[list[int]]) -> tuple:
     """What the two managers must agree on: pool arrays, registrations, every live
-    sequence's table and what its own tokens match (a fresh chain's keys: its blocks
-    were registered under the right keys, however a batch keyed them), and what probe
-    prompts match."""
+    sequence's registered count and last key, table and what its own tokens match (a
+    fresh chain's keys: its blocks were registered under the right keys, however a batch
+    keyed them), and what probe prompts match."""
     index = m.prefix_index
     return (
         m.pool.state.tobytes(),
@@ -39,6 +41,7 @@ def _state(m: PagedKVManager, tokens: dict[int, KeyedTokenIds], probes: list[lis
         index.num_cached_blocks,
         {
             seq_id: (
+                index.registration(seq_id),
                 index.match(list(ids), ids.key_chain.extra_key if ids.key_chain else None).block_ids,
                 m.block_table(seq_id),
             )

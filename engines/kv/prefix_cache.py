@@ -450,8 +450,9 @@ class BlockHashPrefixIndex:
         With no frees, a match changes only if the pool reuses one of its blocks or a new
         registration supplies the key at its frontier ``k`` (the first block that missed).
         A sequence registers blocks from its own frontier ``f`` on, each key hanging off
-        the previous one, so it can only ever supply key ``k`` when its chain so far
-        equals ``token_ids``' first ``f`` blocks and ``f <= k``: then None (it cannot be
+        the previous one, so it can only ever supply key ``k`` when its keys so far equal
+        ``token_ids``' first ``f`` blocks' (its last registered key is theirs: a chained
+        key covers every block before it) and ``f <= k``: then None (it cannot be
         ruled out; in simulation it needs another request's stand-in outputs in a prompt).
         """
         match = self.match(token_ids, extra_key)
@@ -667,12 +668,28 @@ class BlockHashPrefixIndex:
         assert int(self._dropped_at.max(initial=0)) <= self._num_drops, (
             f"a drop stamp {int(self._dropped_at.max())} after the {self._num_drops} drops counted"
         )
+        for seq_id, state in self._seqs.items():
+            assert (state.chain is None) == (state.last_key is None), (
+                f"seq {seq_id}: a key chain without a last key, or the reverse"
+            )
+            # A chain keyed that far (it may lag: see _SeqHashState) must agree.
+            if state.chain is not None and state.chain.num_blocks >= state.num_blocks:
+                assert state.last_key == state.chain.key_before(state.num_blocks), (
+                    f"seq {seq_id}: last key differs from its chain's key of block {state.num_blocks - 1}"
+                )
 
     # ------------------------------------------------------------------ extras
     @property
     def num_cached_blocks(self) -> int:
         """Blocks registered in the hash map (in use or cached-free)."""
         return self._num_registered
+
+    def registration(self, seq_id: int) -> tuple[int, tuple[int, int] | None]:
+        """How many of ``seq_id``'s full blocks are registered, and the key (both lanes)
+        its next block chains from (None before its first commit when it has no key chain
+        yet). Pure; KeyError naming an unknown sequence."""
+        state = self._seq(seq_id)
+        return state.num_blocks, state.last_key
 
     def _on_blocks_reused(self, block_ids: np.ndarray) -> None:
         # The pool is about to overwrite these cached-free blocks (lazy eviction). It has

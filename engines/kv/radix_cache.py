@@ -549,7 +549,7 @@ class RadixPrefixIndex:
         first_new_k = (old_end - 1) // bs + 1
         last_k = (end - 1) // bs
         if first_new_k > last_k:
-            return  # the tokens fill the node's last block (most decode commits)
+            return  # the tokens stay within the node's last block (most decode commits)
         pool = self._bound_pool()
         for k in range(first_new_k, last_k + 1):
             b = block_ids[k]

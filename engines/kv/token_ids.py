@@ -2,7 +2,7 @@
 
 A sequence's tokens live in a ``KeyedTokenIds`` (a ``list``) or an ``ArrayTokenIds`` (a
 trace prompt's numpy array plus the tokens appended since); both carry the
-``BlockKeyChain`` of their full blocks, computed once with ``kvbench.hashing``'s chained
+``BlockKeyChain`` of their full blocks, computed with ``kvbench.hashing``'s chained
 block keys (the one definition of a block key, shared with the metrics' prefix-reuse
 bound and ``kvbench trace inspect``). ``TokenSpan`` / ``TokenPrefix`` are read-only
 views of a token list.
@@ -28,9 +28,9 @@ from kvbench.types import ComputedTokenIds
 
 
 class BlockKeyChain:
-    """The chained keys of a token sequence's full blocks, computed once.
+    """The chained keys of a token sequence's full blocks, kept between uses.
 
-    vLLM keeps block hashes on the request so that matching and registering never rehash
+    vLLM keeps block hashes on the request so that matching and registering do not rehash
     a prompt; this is that cache. It is valid for one append-only token sequence, one
     block size and one extra key (the cache salt): full blocks never change as the
     sequence grows, so keys are only ever appended. Block ``i``'s key is ``hashes[i]``

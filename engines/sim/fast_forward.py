@@ -107,15 +107,8 @@ class BatchColumns:
         """These columns after ``num_steps`` decode steps (each adds a token). Pure."""
         # Built directly: dataclasses.replace reads the fields' metadata on every call,
         # once per decode run.
-        return BatchColumns(
-            self.lengths + num_steps,
-            self.num_prompt_tokens,
-            self.max_new_tokens,
-            self.stops_at_eos,
-            self.samples,
-            self.bases,
-            self.request_ids,
-        )
+        lengths, *others = self.arrays()
+        return BatchColumns(lengths + num_steps, *others)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The columns in field order. Pure."""
