@@ -6,7 +6,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check_out}"
 mkdir -p "$out"
-python3 -m pip install -q -e ".[dev]" 2>&1 | tail -n 2
+# --no-build-isolation: a GPU machine without network builds with its own setuptools. Packages
+# its image lacks can come from a folder of wheels (PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR).
+python3 -m pip install -q --no-build-isolation -e ".[dev]" 2>&1 | tail -n 2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 status=0
 echo "== gpu-marked tests"

@@ -77,7 +77,7 @@ class BlockKeyChain:
         self._checks = np.empty(0, dtype=np.uint64)
         # Both lanes of the last keyed block's key (Python ints), or the chain's start before
         # any block: what the next block's key is chained from.
-        self.last_key: tuple[int, int] = (chain_start(extra_key, 0), chain_start(extra_key, 1))
+        self.last_key: tuple[int, int] = _start_key(extra_key)
         self._lanes = np.empty(2, dtype=np.uint64)  # scratch: each lane's sum before new blocks
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
@@ -137,7 +137,7 @@ class BlockKeyChain:
         if num_blocks == self.num_blocks:
             return self.last_key
         if num_blocks == 0:
-            return (chain_start(self.extra_key, 0), chain_start(self.extra_key, 1))
+            return _start_key(self.extra_key)
         return (int(self._hashes[num_blocks - 1]), int(self._checks[num_blocks - 1]))
 
     def _reserve(self, num_blocks: int) -> None:
@@ -156,6 +156,11 @@ class BlockKeyChain:
         chain.num_blocks = self.num_blocks
         chain.last_key = self.last_key
         return chain
+
+
+def _start_key(extra_key: str | None) -> tuple[int, int]:
+    """Both lanes of a chain's start (what block 0's key chains from) for ``extra_key``. Pure."""
+    return (chain_start(extra_key, 0), chain_start(extra_key, 1))
 
 
 def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
