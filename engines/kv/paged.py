@@ -904,70 +904,84 @@ class PagedDecodeRun:
         if index.holds_blocks or total > pool.num_free:
             raise KVCapacityError(f"decode run: {total} blocks for {num_steps} steps, {pool.num_free} free")
         in_use, token_slots = kv._num_blocks_in_use, kv._num_token_slots
+        seqs = self._seqs
+        num_seqs = len(seqs)
+        # Per sequence (int64 [seq]): its slots modulo bs before these steps (the run's
+        # invariant: nothing else appends to them) and the first of these steps in which
+        # it takes a fresh block (then every bs steps).
+        offsets = (self._residues + start) % bs
+        first_need = -offsets % bs
+        for seq in seqs:
+            seq.num_tokens += num_steps  # the slots reserved (what commits check against)
         # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
         steps: list[tuple[int, int, int]] = []
-        # Step t gives a block to every sequence whose slot count is then a multiple of bs.
-        by_offset: dict[int, list[_Seq]] = {}
-        befores = []
-        for seq in self._seqs:
-            by_offset.setdefault(seq.num_tokens % bs, []).append(seq)
-            befores.append(seq.num_tokens)
-            seq.num_tokens += num_steps  # the slots reserved (what commits check against)
+        lasts = self._lasts.copy()  # [seq] last blocks as the spans append
+        taken_blocks: list[np.ndarray] = []  # every block these steps take, in pool order
         # A block taken in a span fills and registers bs - 1 steps later at the earliest:
-        # spans shorter than that commit only blocks already in the tables.
+        # spans shorter than that commit only blocks already in the tables. A span is
+        # under bs steps, so a sequence takes at most one block in it.
         span = max(bs - 1, 1)
         for first in range(0, num_steps, span):
             last = min(first + span, num_steps)
-            groups = [by_offset.get(-t % bs, ()) for t in range(first, last)]
+            # The sequences taking a block in the span: by step, then in sequence order
+            # (the order the pool hands them out, as step by step).
+            in_span = (first_need - first) % bs
+            takers = (in_span < last - first).nonzero()[0]
+            takers = takers[np.argsort(in_span[takers], kind="stable")]
+            span_needs = needs[first:last]
             rows = (
                 [[kv._commit_row(seq_id, ids) for seq_id, ids in commits[t]] for t in range(first, last)]
                 if commits
                 else []
             )
             free, cached = pool.num_free, pool.num_cached_free
-            taken = index.allocate_decode_steps(pool, np.array(needs[first:last], dtype=np.int64), rows)
+            taken = index.allocate_decode_steps(pool, np.array(span_needs, dtype=np.int64), rows)
             if taken is None:
-                for t, group in zip(range(first, last), groups):
+                at = 0
+                span_blocks = []
+                for t, need in zip(range(first, last), span_needs):
                     cached_before = pool.num_cached_free
-                    if group:
-                        for seq, b in zip(group, pool.allocate_many(len(group))):
-                            seq.block_ids.append(b)
-                        in_use += len(group)
+                    if need:
+                        blocks = pool.allocate_many(need)
+                        for row, b in zip(takers[at : at + need].tolist(), blocks):
+                            seqs[row].block_ids.append(b)
+                        span_blocks += blocks
+                        at += need
+                        in_use += need
                     # Read before the commits (which register in-use blocks only, changing neither).
                     steps.append(
                         (in_use, pool.num_free - pool.num_cached_free, cached_before - pool.num_cached_free)
                     )
                     if commits:
                         kv.commit_many(commits[t])
-                continue
-            blocks, reused_per_step = taken[0].tolist(), taken[1].tolist()
-            at = 0
-            for group, num_reused in zip(groups, reused_per_step):
-                for seq, b in zip(group, blocks[at : at + len(group)]):
-                    seq.block_ids.append(b)
-                at += len(group)
-                in_use += len(group)
-                free -= len(group)
-                cached -= num_reused
-                steps.append((in_use, free - cached, num_reused))
+                span_array = np.array(span_blocks, dtype=np.int64)
+            else:
+                span_array, reused_per_step = taken
+                for row, b in zip(takers.tolist(), span_array.tolist()):
+                    seqs[row].block_ids.append(b)
+                for need, num_reused in zip(span_needs, reused_per_step.tolist()):
+                    in_use += need
+                    free -= need
+                    cached -= num_reused
+                    steps.append((in_use, free - cached, num_reused))
+            lasts[takers] = span_array  # distinct rows within a span
+            taken_blocks.append(span_array)
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped).
-        claimed, seq_refs = kv._claimed_at, kv._seq_refs_at
-        stale = 0  # a partial block's stale claims, overwritten by the first step
-        for seq, before in zip(self._seqs, befores):
-            table = seq.block_ids
-            after = before + num_steps
-            offset = before % bs
-            if offset:
-                last = table[(before - 1) // bs]
-                stale += offset - claimed[last]
-                claimed[last] = min(bs, offset + num_steps)
-            for b in table[-(-before // bs) :]:
-                claimed[b] = bs
-                seq_refs[b] = 1
-            if len(table) * bs > after:
-                claimed[table[-1]] = after - (len(table) - 1) * bs
-        self._lasts = np.array([seq.block_ids[-1] for seq in self._seqs], dtype=np.int64)
-        num_seqs = len(self._seqs)
+        # Distinct partial last blocks (the run's precondition), so each is one write.
+        claimed = kv._claimed
+        partial = offsets.nonzero()[0]
+        partial_lasts = self._lasts[partial]  # current for partial blocks (rows_now)
+        stale = int((offsets[partial] - claimed[partial_lasts]).sum())  # overwritten by the first step
+        claimed[partial_lasts] = np.minimum(offsets[partial] + num_steps, bs)
+        if total:
+            fresh = np.concatenate(taken_blocks)
+            claimed[fresh] = bs
+            kv._seq_refs[fresh] = 1
+            # A sequence that took a block and ends mid-block has claimed part of its last.
+            end_offsets = (offsets + num_steps) % bs
+            ends_partial = ((first_need < num_steps) & (end_offsets != 0)).nonzero()[0]
+            claimed[lasts[ends_partial]] = end_offsets[ends_partial]
+        self._lasts = lasts
         kv._num_blocks_in_use += total
         kv._num_token_slots += num_steps * num_seqs + stale
         self._num_steps += num_steps
