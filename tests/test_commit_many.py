@@ -31,7 +31,7 @@ step_plan = st.lists(
 
 def _state(m: PagedKVManager, tokens: dict[int, KeyedTokenIds], probes: list[list[int]]) -> tuple:
     """What the two managers must agree on: pool arrays, registrations, every live
-    sequence's registered count and last key, table and what its own tokens match (a
+    sequence's registered count and last key, table, its blocks' claimed slots and what its own tokens match (a
     fresh chain's keys: its blocks were registered under the right keys, however a batch
     keyed them), and what probe prompts match."""
     index = m.prefix_index
@@ -44,6 +44,7 @@ def _state(m: PagedKVManager, tokens: dict[int, KeyedTokenIds], probes: list[lis
                 index.registration(seq_id),
                 index.match(list(ids), ids.key_chain.extra_key if ids.key_chain else None).block_ids,
                 m.block_table(seq_id),
+                m._claimed[m.block_table(seq_id)].tolist(),  # slots each table block claims
             )
             for seq_id, ids in tokens.items()
         },
@@ -149,13 +150,40 @@ def test_a_radix_index_commits_one_entry_at_a_time():
     spans=st.lists(st.integers(1, 11), min_size=1, max_size=4),
     num_blocks=st.integers(14, 40),
     seed=st.integers(0, 2**16),
+    uncommitted=st.lists(st.booleans(), min_size=6, max_size=6),
 )
-def test_decode_steps_in_one_pass_equal_stepping_with_commits(prompts, warm, spans, num_blocks, seed):
+def test_decode_steps_in_one_pass_equal_stepping_with_commits(
+    prompts, warm, spans, num_blocks, seed, uncommitted
+):
     """``PagedDecodeRun.advance_many`` with the steps' commits (the prefix index's compiled pass,
     ``allocate_decode_steps``, in spans; spans it declines one step at a time) against
-    ``advance`` then ``commit_many`` step by step: the same blocks, registrations, drops,
-    keys and per-step counts. Two-letter ids make sequences write equal blocks, and the
-    warm-up leaves cached blocks in the free list for the steps to reuse."""
+    ``advance`` then ``commit_many`` step by step: the same blocks, claims, registrations,
+    drops, keys and per-step counts. Two-letter ids make sequences write equal blocks, and
+    the warm-up leaves cached blocks in the free list for the steps to reuse. A sequence
+    whose prompt was never committed (``uncommitted``) completes several blocks in its
+    first decode commit, which the index declines to batch."""
+    _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncommitted)
+
+
+def test_a_declined_span_is_stepped_with_the_same_outcome(monkeypatch):
+    """The span ``allocate_decode_steps`` declines (a first decode commit that completes
+    two blocks) goes one step at a time, with the same outcome as stepping."""
+    declined = []
+    allocate = BlockHashPrefixIndex.allocate_decode_steps
+
+    def spy(self, pool, needs, commits):
+        taken = allocate(self, pool, needs, commits)
+        declined.append(taken is None)
+        return taken
+
+    monkeypatch.setattr(BlockHashPrefixIndex, "allocate_decode_steps", spy)
+    prompts = [[4, 4, 4, 4, 3, 3, 3, 3, 4], [4, 4, 3, 3, 4], [3, 3, 3, 3, 4, 4]]
+    _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [9, 11, 6], 40, 7, [True, False, False])
+    assert any(declined) and not all(declined)
+
+
+def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncommitted):
+    """The body of the two tests above: ``uncommitted[i]`` leaves prompt ``i`` uncommitted."""
     rng = np.random.default_rng(seed)
     managers = [PagedKVManager(num_blocks, BS, 1, BlockHashPrefixIndex()) for _ in range(2)]
     for m in managers:  # cached-free blocks from finished requests
@@ -175,7 +203,8 @@ def test_decode_steps_in_one_pass_equal_stepping_with_commits(prompts, warm, spa
         for m, tok in zip(managers, tokens):
             ids = KeyedTokenIds(prompt)
             m.allocate(seq_id, ids, len(prompt) - cached, None)
-            m.commit(seq_id, ids)
+            if not uncommitted[seq_id]:
+                m.commit(seq_id, ids)
             ids.append(first_token[seq_id])  # decode state: the newest token lacks KV
             tok[seq_id] = ids
     live = sorted(tokens[0])

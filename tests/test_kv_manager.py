@@ -524,6 +524,35 @@ def test_advance_many_equals_advancing_step_by_step(index_name):
     assert _decode_state(fast, ids) == _decode_state(stepped, ids)
 
 
+@pytest.mark.parametrize("block_size", [1, 2, 5, 16])
+def test_advance_many_equals_advancing_step_by_step_at_any_block_size(block_size):
+    """advance_many against advance at block sizes where every step, some steps or few
+    steps take blocks; sequences start empty-tailed (a multiple of the block size), mid
+    block and one slot short of a full block, and step counts cross block boundaries."""
+    lengths = (block_size, 2 * block_size + 1, 3 * block_size - 1, 1)
+    managers = []
+    for _ in range(2):
+        m = PagedKVManager(64, block_size, 1, BlockHashPrefixIndex())
+        for seq_id, length in enumerate(lengths):
+            prefill(m, seq_id, [10 + seq_id] * length)
+        managers.append(m)
+    fast, stepped = managers
+    ids = list(range(len(lengths)))
+    fast_run, stepped_run = fast.decode_run(ids), stepped.decode_run(ids)
+    for num_steps in (1, block_size, 2 * block_size + 3, 1, block_size - 1):
+        if num_steps == 0:
+            continue
+        fast_run.advance_many(num_steps)
+        for _ in range(num_steps):
+            stepped_run.advance()
+        fast.check()
+        assert _decode_state(fast, ids) == _decode_state(stepped, ids)
+        assert fast_run.snapshot()[1:] == stepped_run.snapshot()[1:]
+        assert [fast._claimed[fast.block_table(s)].tolist() for s in ids] == [
+            stepped._claimed[stepped.block_table(s)].tolist() for s in ids
+        ]
+
+
 def test_num_quiet_steps_stops_before_a_watched_block():
     m = _stale_claim_setup(BlockHashPrefixIndex())
     run = m.decode_run([0, 1, 2])

@@ -489,3 +489,55 @@ def claim_fresh(seq_refs, claimed, block_ids, block_size, last_slots):  # pragma
         claimed[b] = block_size
         seq_refs[b] = 1
     claimed[block_ids[block_ids.shape[0] - 1]] = last_slots
+
+
+# ---------------------------------------------------------------------- decode runs
+@njit(cache=True, nogil=True)
+def decode_takers(first_need, num_steps, block_size):  # pragma: no cover - compiled
+    """The rows of a decode run that take a fresh block in each of ``num_steps`` steps,
+    in step order, then row order (the order the pool hands blocks out, step by step):
+    row ``i`` takes one in steps ``first_need[i]``, ``first_need[i] + block_size``, ...
+    (int64 [rows], each in ``[0, block_size)``). A counting sort by step. int64 [blocks]."""
+    num_rows = first_need.shape[0]
+    starts = np.zeros(num_steps + 1, dtype=np.int64)  # starts[t]: step t's first entry
+    for i in range(num_rows):
+        for t in range(first_need[i], num_steps, block_size):
+            starts[t + 1] += 1
+    for t in range(num_steps):
+        starts[t + 1] += starts[t]
+    out = np.empty(starts[num_steps], dtype=np.int64)
+    for i in range(num_rows):  # rows ascending: row order within each step
+        for t in range(first_need[i], num_steps, block_size):
+            out[starts[t]] = i
+            starts[t] += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def settle_decode_claims(
+    claimed, seq_refs, offsets, lasts_before, lasts_after, fresh, num_steps, block_size
+):  # pragma: no cover - compiled
+    """The claims ``num_steps`` decode steps leave (``PagedDecodeRun.advance_many``), per
+    row: ``offsets`` its slots modulo ``block_size`` before them, ``lasts_before`` /
+    ``lasts_after`` its last block before / after them; ``fresh`` the blocks they took.
+    A partial last block (offset > 0) claims ``min(offset + num_steps, block_size)``
+    slots, each fresh block all of them and its first sequence reference, and a row that
+    took a block and ends mid-block ``(offset + num_steps) % block_size`` of its new
+    last. Partial last blocks are distinct (a run's precondition). Returns the stale
+    claims the first step overwrote: the sum of ``offset - claimed`` over partial rows."""
+    stale = 0
+    for i in range(offsets.shape[0]):
+        offset = offsets[i]
+        if offset:
+            b = lasts_before[i]
+            stale += offset - claimed[b]
+            claimed[b] = min(offset + num_steps, block_size)
+    for k in range(fresh.shape[0]):
+        claimed[fresh[k]] = block_size
+        seq_refs[fresh[k]] = 1
+    for i in range(offsets.shape[0]):
+        offset = offsets[i]
+        end = (offset + num_steps) % block_size
+        if end and (offset == 0 or offset + num_steps > block_size):  # it took a block
+            claimed[lasts_after[i]] = end
+    return stale

@@ -911,6 +911,10 @@ class PagedDecodeRun:
         # it takes a fresh block (then every bs steps).
         offsets = (self._residues + start) % bs
         first_need = -offsets % bs
+        # The sequences taking a block in each step, step after step (sequence order
+        # within a step: the order the pool hands blocks out, as step by step).
+        takers = native.decode_takers(first_need, num_steps, bs)
+        assert len(takers) == total, "a decode run's block counts disagree with its slot counts"
         for seq in seqs:
             seq.num_tokens += num_steps  # the slots reserved (what commits check against)
         # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
@@ -918,17 +922,15 @@ class PagedDecodeRun:
         lasts = self._lasts.copy()  # [seq] last blocks as the spans append
         taken_blocks: list[np.ndarray] = []  # every block these steps take, in pool order
         # A block taken in a span fills and registers bs - 1 steps later at the earliest:
-        # spans shorter than that commit only blocks already in the tables. A span is
-        # under bs steps, so a sequence takes at most one block in it.
+        # spans shorter than that commit only blocks already in the tables. A span has
+        # at most bs - 1 steps (one when bs is 1), so a sequence takes at most one block
+        # in it.
         span = max(bs - 1, 1)
+        at = 0  # the span's first entry of takers
         for first in range(0, num_steps, span):
             last = min(first + span, num_steps)
-            # The sequences taking a block in the span: by step, then in sequence order
-            # (the order the pool hands them out, as step by step).
-            in_span = (first_need - first) % bs
-            takers = (in_span < last - first).nonzero()[0]
-            takers = takers[np.argsort(in_span[takers], kind="stable")]
             span_needs = needs[first:last]
+            span_takers = takers[at : at + sum(span_needs)]
             rows = (
                 [[kv._commit_row(seq_id, ids) for seq_id, ids in commits[t]] for t in range(first, last)]
                 if commits
@@ -937,8 +939,7 @@ class PagedDecodeRun:
             free, cached = pool.num_free, pool.num_cached_free
             taken = index.allocate_decode_steps(pool, np.array(span_needs, dtype=np.int64), rows)
             if taken is None:
-                at = 0
-                span_blocks = []
+                span_blocks: list[int] = []
                 for t, need in zip(range(first, last), span_needs):
                     cached_before = pool.num_cached_free
                     if need:
@@ -957,30 +958,22 @@ class PagedDecodeRun:
                 span_array = np.array(span_blocks, dtype=np.int64)
             else:
                 span_array, reused_per_step = taken
-                for row, b in zip(takers.tolist(), span_array.tolist()):
+                for row, b in zip(span_takers.tolist(), span_array.tolist()):
                     seqs[row].block_ids.append(b)
+                at += len(span_takers)
                 for need, num_reused in zip(span_needs, reused_per_step.tolist()):
                     in_use += need
                     free -= need
                     cached -= num_reused
                     steps.append((in_use, free - cached, num_reused))
-            lasts[takers] = span_array  # distinct rows within a span
+            lasts[span_takers] = span_array  # distinct rows within a span
             taken_blocks.append(span_array)
-        # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped).
-        # Distinct partial last blocks (the run's precondition), so each is one write.
-        claimed = kv._claimed
-        partial = offsets.nonzero()[0]
-        partial_lasts = self._lasts[partial]  # current for partial blocks (rows_now)
-        stale = int((offsets[partial] - claimed[partial_lasts]).sum())  # overwritten by the first step
-        claimed[partial_lasts] = np.minimum(offsets[partial] + num_steps, bs)
-        if total:
-            fresh = np.concatenate(taken_blocks)
-            claimed[fresh] = bs
-            kv._seq_refs[fresh] = 1
-            # A sequence that took a block and ends mid-block has claimed part of its last.
-            end_offsets = (offsets + num_steps) % bs
-            ends_partial = ((first_need < num_steps) & (end_offsets != 0)).nonzero()[0]
-            claimed[lasts[ends_partial]] = end_offsets[ends_partial]
+        # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped);
+        # self._lasts is current for partial last blocks (rows_now).
+        fresh = np.concatenate(taken_blocks) if taken_blocks else np.zeros(0, dtype=np.int64)
+        stale = native.settle_decode_claims(
+            kv._claimed, kv._seq_refs, offsets, self._lasts, lasts, fresh, num_steps, bs
+        )
         self._lasts = lasts
         kv._num_blocks_in_use += total
         kv._num_token_slots += num_steps * num_seqs + stale
