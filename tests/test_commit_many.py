@@ -31,9 +31,9 @@ step_plan = st.lists(
 
 def _state(m: PagedKVManager, tokens: dict[int, KeyedTokenIds], probes: list[list[int]]) -> tuple:
     """What the two managers must agree on: pool arrays, registrations, every live
-    sequence's registered count and last key, table, its blocks' claimed slots and what its own tokens match (a
-    fresh chain's keys: its blocks were registered under the right keys, however a batch
-    keyed them), and what probe prompts match."""
+    sequence's registered count and last key, table, its blocks' claimed slots and what
+    its own tokens match (a fresh chain's keys: its blocks were registered under the
+    right keys, however a batch keyed them), and what probe prompts match."""
     index = m.prefix_index
     return (
         m.pool.state.tobytes(),
@@ -177,9 +177,13 @@ def test_a_declined_span_is_stepped_with_the_same_outcome(monkeypatch):
         return taken
 
     monkeypatch.setattr(BlockHashPrefixIndex, "allocate_decode_steps", spy)
-    prompts = [[4, 4, 4, 4, 3, 3, 3, 3, 4], [4, 4, 3, 3, 4], [3, 3, 3, 3, 4, 4]]
-    _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [9, 11, 6], 40, 7, [True, False, False])
-    assert any(declined) and not all(declined)
+    # Seqs 0-2 take blocks in steps 0-2 (the first span), seq 3 in step 3, seq 0 in step
+    # 4; seq 0 (uncommitted) first commits three blocks in step 3, so the second span is
+    # declined and must hand its blocks to seqs 3 and 0, not to the first span's takers.
+    prompts = [[4, 4, 4, 4, 3, 3, 3, 3], [4, 4, 3], [3, 3, 3, 3, 4, 4], [3, 4, 4, 3, 3]]
+    uncommitted = [True, False, False, False]
+    _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [9, 11, 6], 40, 7, uncommitted)
+    assert declined[:2] == [False, True]
 
 
 def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncommitted):

@@ -1,4 +1,5 @@
-"""Compiled per-block loops of the block pool and the block-hash index (numba).
+"""Compiled per-block loops of the block pool, the block-hash index and the paged KV
+manager's decode runs (numba).
 
 Why numba: simulating a trace does the same few operations on millions of blocks
 (allocate, free, register, look up), each a handful of integer reads and writes that
@@ -523,8 +524,9 @@ def settle_decode_claims(
     A partial last block (offset > 0) claims ``min(offset + num_steps, block_size)``
     slots, each fresh block all of them and its first sequence reference, and a row that
     took a block and ends mid-block ``(offset + num_steps) % block_size`` of its new
-    last. Partial last blocks are distinct (a run's precondition). Returns the stale
-    claims the first step overwrote: the sum of ``offset - claimed`` over partial rows."""
+    last. Partial last blocks are distinct (a run's precondition). Returns what the
+    first step's overwrite changes the claimed-slot count by: the sum of ``offset -
+    claimed`` over partial rows (zero or negative: stale claims past a row's slots go)."""
     stale = 0
     for i in range(offsets.shape[0]):
         offset = offsets[i]
