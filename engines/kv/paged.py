@@ -944,10 +944,10 @@ class PagedDecodeRun:
                     cached_before = pool.num_cached_free
                     if need:
                         blocks = pool.allocate_many(need)
-                        for row, b in zip(takers[at : at + need].tolist(), blocks):
+                        step_takers = span_takers[len(span_blocks) : len(span_blocks) + need]
+                        for row, b in zip(step_takers.tolist(), blocks):
                             seqs[row].block_ids.append(b)
                         span_blocks += blocks
-                        at += need
                         in_use += need
                     # Read before the commits (which register in-use blocks only, changing neither).
                     steps.append(
@@ -960,7 +960,6 @@ class PagedDecodeRun:
                 span_array, reused_per_step = taken
                 for row, b in zip(span_takers.tolist(), span_array.tolist()):
                     seqs[row].block_ids.append(b)
-                at += len(span_takers)
                 for need, num_reused in zip(span_needs, reused_per_step.tolist()):
                     in_use += need
                     free -= need
@@ -968,6 +967,7 @@ class PagedDecodeRun:
                     steps.append((in_use, free - cached, num_reused))
             lasts[span_takers] = span_array  # distinct rows within a span
             taken_blocks.append(span_array)
+            at += len(span_takers)
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped);
         # self._lasts is current for partial last blocks (rows_now).
         fresh = np.concatenate(taken_blocks) if taken_blocks else np.zeros(0, dtype=np.int64)
