@@ -216,7 +216,7 @@ def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncom
         return
     runs = [m.decode_run(live) for m in managers]
     for span in spans:
-        num_steps = runs[0].num_quiet_steps((), span)
+        num_steps = runs[0].num_quiet_steps(None, span)
         if num_steps == 0:
             break
         new = rng.integers(3, 5, size=(len(live), num_steps)).tolist()

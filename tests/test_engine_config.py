@@ -126,7 +126,7 @@ def test_every_kv_manager_offers_the_whole_contract(manager):
 
 def test_the_paged_and_slab_managers_offer_decode_runs():
     members = [name for name in vars(DecodeRunKV) if not name.startswith("_")]
-    assert {"decode_run", "match_watch", "usage_of", "usage_columns"} <= set(members)
+    assert {"decode_run", "admission_guard", "usage_of", "usage_columns"} <= set(members)
     for manager in (PagedKVManager, SlabKVManager):
         for name in members:
             assert callable(getattr(manager, name, None)), (manager.__name__, name)

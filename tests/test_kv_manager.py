@@ -7,6 +7,8 @@ token a live sequence has written must be readable through its block table.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -497,7 +499,7 @@ def test_advance_many_equals_advancing_step_by_step(index_name):
     stepped_run, fast_run = stepped.decode_run(ids), fast.decode_run(ids)
     num_reused_total = 0
     for num_steps in (1, 3, 5, 2, 7, 7):
-        num_steps = fast_run.num_quiet_steps((), num_steps)  # fewer once the pool runs short
+        num_steps = fast_run.num_quiet_steps(None, num_steps)  # fewer once the pool runs short
         reported = fast_run.advance_many(num_steps)
         assert len(reported) == num_steps
         for *counts, num_reused in reported:
@@ -520,7 +522,7 @@ def test_advance_many_equals_advancing_step_by_step(index_name):
         assert num_reused_total == 2  # ...through both cached system-prompt blocks
     # More steps than the free blocks allow are refused, changing nothing.
     with pytest.raises(KVCapacityError):
-        fast_run.advance_many(fast_run.num_quiet_steps((), 40) + 1)
+        fast_run.advance_many(fast_run.num_quiet_steps(None, 40) + 1)
     assert _decode_state(fast, ids) == _decode_state(stepped, ids)
 
 
@@ -553,54 +555,147 @@ def test_advance_many_equals_advancing_step_by_step_at_any_block_size(block_size
         ]
 
 
-def test_num_quiet_steps_stops_before_a_watched_block():
+def test_num_quiet_steps_counts_steps_whose_blocks_keep_the_guarded_prompt_out():
     m = _stale_claim_setup(BlockHashPrefixIndex())
     run = m.decode_run([0, 1, 2])
     upcoming = m.pool.free_blocks()[:6]
     # Steps take 1, 0, 1, 1, 0, 1, ... blocks here (slot counts 7, 8, 3 with 4-slot blocks).
-    needs = []
-    for step in range(8):
-        needs.append(run._at_boundary[-step % BS])
+    needs = [run._at_boundary[-step % BS] for step in range(8)]
     taken_before = [sum(needs[:step]) for step in range(9)]
-    watched = upcoming[3]
-    expect = max(step for step in range(9) if taken_before[step] <= 3)
-    assert run.num_quiet_steps({watched}, 8) == expect
-    assert run.num_quiet_steps(set(), 8) == 8
+    head = SYSTEM + [1, 2, 3]  # matches seq 9's two cached-free blocks
+    match = m.prefix_index.match(head, None).block_ids
+    assert len(match) == 2 and set(match) <= set(m.pool.free_blocks())
+    num_free = m.pool.num_free
+    for budget in range(0, 2 * BS * num_free):
+        if m.can_allocate(99, head, min(len(head) - 2 * BS, budget), None):
+            continue  # a guard is only asked for a prompt that cannot start
+        guard = m.admission_guard(head, None, [0, 1, 2], len(head), budget)
+        assert guard is not None and guard.match_blocks.tolist() == list(match)
+        safe = m.num_blocks_before_admission(guard, 6)
+        assert run.num_quiet_steps(guard, 8) == max(step for step in range(9) if taken_before[step] <= safe)
+    assert run.num_quiet_steps(None, 8) == 8  # nothing to guard: only free blocks bound it
     assert m.pool.free_blocks()[:6] == upcoming  # pure
 
 
-def test_match_watch_names_the_matched_blocks_unless_a_sequence_can_extend_the_match():
+GUARD_SEEDS = 40
+
+
+def _guarded_pool(seed: int) -> tuple[PagedKVManager, list[int], int]:
+    """A nearly full pool whose free list holds finished prompts' cached blocks behind a
+    few others, and a waiting prompt sharing a prefix of them that cannot start now:
+    (manager, the prompt, its budget). The same for a seed."""
+    rng = random.Random(seed)
+    while True:
+        num_blocks = rng.randint(12, 40)
+        m = make(num_blocks=num_blocks)
+        cached = [rng.randint(1, 9) for _ in range(BS * rng.randint(3, num_blocks // 3))]
+        side_by_side = rng.random() < 0.5
+        if side_by_side:
+            # Two prompts prefilled side by side compute their shared first blocks twice:
+            # the first commit registers them, the second only its own later blocks, and
+            # freeing the first one earlier puts the prefix's head ahead of its tail in
+            # the free list (taking one cuts the match short: the head may then fit).
+            finished = [(0, cached[: BS * rng.randint(1, 2)] + [0]), (1, cached + [0])]
+        else:
+            finished = [(0, cached + [0])]
+        for seq, tokens in finished:
+            m.allocate(seq, tokens, len(tokens), None)
+        for seq, tokens in finished:
+            m.commit(seq, tokens)
+        if rng.random() < 0.3:  # a running sequence holds the shared prefix's first blocks
+            prefill(m, 1000, cached[: BS * rng.randint(1, len(cached) // BS)] + [77])
+        # Running sequences fill the pool but for a few blocks, then the prompts finish.
+        num_left = rng.randint(0, 3)
+        seq = 2
+        while m.pool.num_free > num_left:
+            size = min(m.pool.num_free - num_left, rng.randint(1, 3)) * BS
+            prefill(m, seq, [rng.randint(10, 19) for _ in range(size)])
+            seq += 1
+        for seq, _ in finished:
+            m.free(seq)
+        budget = BS * rng.randint(1, 10) - rng.randint(0, BS - 1)
+        shared = len(cached) if side_by_side else BS * rng.randint(0, len(cached) // BS)
+        head = cached[:shared] + [rng.randint(20, 29) for _ in range(rng.randint(1, budget + 2 * BS))]
+        chunk = min(max(len(head) - m.num_cached_tokens(head, None), 0), budget)
+        if not m.can_allocate(99, head, chunk, None):
+            return m, head, budget
+
+
+@pytest.mark.parametrize("seed", range(GUARD_SEEDS))
+def test_blocks_before_admission_equal_can_allocate_after_each_block_taken(seed):
+    """Differential: the blocks the guard lets go from the free list's head leave
+    ``can_allocate`` False for the prompt's first chunk after each (its match losing every
+    block taken), and the next one (when there is one) lets it start; checked by taking
+    them for real, as a decode step takes them."""
+    m, head, budget = _guarded_pool(seed)
+
+    def fits(manager: PagedKVManager) -> bool:
+        chunk = min(max(len(head) - manager.num_cached_tokens(head, None), 0), budget)
+        return manager.can_allocate(99, head, chunk, None)
+
+    guard = m.admission_guard(head, None, [], len(head), budget)
+    assert guard is not None
+    limit = m.pool.num_free
+    safe = m.num_blocks_before_admission(guard, limit)
+    assert 0 <= safe <= limit and m.num_blocks_before_admission(guard, safe // 2) == safe // 2
+    for taken in range(1, min(safe + 1, limit) + 1):
+        m.pool.allocate_array(1)  # drops the block's registration, cutting the match there
+        assert fits(m) == (taken > safe), f"after {taken} blocks (safe: {safe} of {limit})"
+
+
+def test_blocks_before_admission_cases_are_not_vacuous():
+    """The seeds above meet each outcome: a matched block taken lets the prompt start,
+    none does, or the free list ends first."""
+    outcomes = set()
+    for seed in range(GUARD_SEEDS):
+        m, head, budget = _guarded_pool(seed)
+        guard = m.admission_guard(head, None, [], len(head), budget)
+        assert guard is not None
+        limit = m.pool.num_free
+        safe = m.num_blocks_before_admission(guard, limit)
+        outcomes.add(("cut" if len(guard.match_blocks) else "no match", safe < limit))
+    assert outcomes == {("cut", True), ("cut", False), ("no match", False)}
+
+
+def test_match_may_grow_unless_no_sequence_can_extend_the_match():
     m = make(num_blocks=16)
     prefill(m, 0, SYSTEM + [1, 2, 3, 4, 5])  # registers SYSTEM's 2 blocks + [1, 2, 3, 4]
     m.free(0)
     head = SYSTEM + [1, 2, 3, 4, 6, 6, 6, 6, 9]  # matches 3 blocks, wants a 4th
     prefill(m, 1, [70] * 9)  # unrelated content
-    watch = m.match_watch(head, None, [1])
-    assert watch is not None and sorted(watch) == sorted(m.prefix_index.match(head, None).block_ids)
+    index = m.prefix_index
+    assert not index.match_may_grow(head, None, [1])
+    guard = m.admission_guard(head, None, [1], len(head), 4)
+    assert guard is not None and guard.match_blocks.tolist() == list(index.match(head, None).block_ids)
     # Seq 2 holds the head's first 3 blocks and decodes on from there: its next full
     # block could be exactly the key the head is missing.
     prefill(m, 2, SYSTEM + [1, 2, 3, 4, 6])
-    assert m.match_watch(head, None, [1, 2]) is None
+    assert index.match_may_grow(head, None, [1, 2])
+    assert m.admission_guard(head, None, [1, 2], len(head), 4) is None
     # A head whose match is already whole cannot be extended by anyone.
     whole = SYSTEM + [1, 2, 3, 4, 7]
-    assert m.match_watch(whole, None, [1, 2]) is not None
-    assert NullPrefixIndex().match_watch(head, None, [1]) == ()
-    assert RadixPrefixIndex().match_watch(head, None, [1]) is None
+    assert not index.match_may_grow(whole, None, [1, 2])
+    assert not NullPrefixIndex().match_may_grow(head, None, [1])
+    assert RadixPrefixIndex().match_may_grow(head, None, [1])
+    assert make(RadixPrefixIndex()).admission_guard(head, None, [], len(head), 4) is None
 
 
-def test_match_watch_of_a_memoised_head_follows_its_growing_match():
-    """A head carrying its keys (KeyedTokenIds) keeps its match memo, and the watched
-    blocks with it: when a registration extends the match, the next watch names the new
-    block too."""
+def test_admission_guard_of_a_memoised_head_follows_its_growing_match():
+    """A head carrying its keys (KeyedTokenIds) keeps its match memo: when a registration
+    extends the match, the next guard holds the new block too."""
     m = make(num_blocks=16)
     prefill(m, 0, SYSTEM + [1, 2, 3, 4, 5])  # registers SYSTEM's 2 blocks + [1, 2, 3, 4]
     m.free(0)
     head = KeyedTokenIds(SYSTEM + [1, 2, 3, 4, 6, 6, 6, 6, 9])  # matches 3 blocks, wants a 4th
     prefill(m, 1, [70] * 9)  # unrelated content
-    watch = m.match_watch(head, None, [1])
-    assert watch is not None and sorted(watch) == sorted(m.prefix_index.match(head, None).block_ids)
-    assert len(watch) == 3
+    guard = m.admission_guard(head, None, [1], len(head), 4)
+    assert guard is not None and guard.match_blocks.tolist() == list(
+        m.prefix_index.match(head, None).block_ids
+    )
+    assert len(guard.match_blocks) == 3
     prefill(m, 2, SYSTEM + [1, 2, 3, 4, 6, 6, 6, 6, 8])  # registers the head's 4th block
-    watch = m.match_watch(head, None, [1])
-    assert watch is not None and sorted(watch) == sorted(m.prefix_index.match(head, None).block_ids)
-    assert len(watch) == 4
+    guard = m.admission_guard(head, None, [1], len(head), 4)
+    assert guard is not None and guard.match_blocks.tolist() == list(
+        m.prefix_index.match(head, None).block_ids
+    )
+    assert len(guard.match_blocks) == 4

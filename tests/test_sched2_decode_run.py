@@ -139,7 +139,7 @@ def test_advance_after_advance_many_follows_the_new_last_blocks(seed):
     run = m.try_decode_run(live)
     assert run is not None
     for num_steps in (BS + 1, 1, 2, BS - 1, 1):
-        num_steps = run.num_quiet_steps((), num_steps)
+        num_steps = run.num_quiet_steps(None, num_steps)
         run.advance_many(num_steps)
         for _ in range(num_steps):
             for seq_id in live:

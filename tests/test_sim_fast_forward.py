@@ -12,6 +12,7 @@ slab engine's runs (its regions reserved at admission) are compared the same way
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import pandas as pd
@@ -20,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbench.runner as runner_module
-from kvbench.engines.kv.paged import PagedDecodeRun
+from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sched.scheduler import is_decode_ready
@@ -184,6 +185,58 @@ def test_mooncake_head_fixture(prefix_cache, monkeypatch):
     )
     # Radix commits move block references, so its runs go one step at a time.
     assert (reserved[0] > 0) == (prefix_cache != "radix")
+
+
+def _prefix_cut_scenario(seed: int) -> tuple[Workload, dict[str, object]]:
+    """Two prompts sharing a prefix, prefilled side by side (so the prefix is computed
+    twice and the first one to commit registers it), decoding next to long fillers; a
+    later prompt extends the longer one. Once both finish, the later prompt's match runs
+    through the shorter one's prefix blocks then the longer one's, and the shorter one's
+    were freed first: a decode step that reuses one cuts the match short, and the
+    prompt may then fit (``PagedKVManager.num_blocks_before_admission``)."""
+    rng = random.Random(seed)
+    bs = 4
+    shared = [rng.randint(10, 40) for _ in range(bs * rng.randint(1, 3))]
+    rest = [rng.randint(10, 40) for _ in range(bs * rng.randint(2, 8))]
+    requests = [
+        Request("short", 0.0, (*shared, 1), rng.randint(1, 4)),
+        Request("long", 0.0, (*shared, *rest, 2), rng.randint(4, 12)),
+    ]
+    for filler in range(rng.randint(1, 4)):
+        prompt = tuple(rng.randint(50, 90) for _ in range(rng.randint(2, 12)))
+        requests.append(Request(f"filler{filler}", 0.0, prompt, rng.randint(30, 120)))
+    arrival_s = rng.uniform(0.05, 0.6)
+    extra = [rng.randint(100, 140) for _ in range(rng.randint(1, 12))]
+    requests.append(Request("later", arrival_s, (*shared, *rest, *extra), rng.randint(1, 10)))
+    requests.sort(key=lambda request: request.arrival_s)
+    params: dict[str, object] = dict(
+        block_size=bs,
+        num_blocks=rng.randint(10, 40),
+        max_num_seqs=8,
+        max_num_batched_tokens=rng.choice([16, 24, 32, 64, 128]),
+        prefix_cache="block_hash",
+    )
+    return Workload("prefix_cut", tuple(requests)), params
+
+
+@pytest.mark.parametrize("seed", [13, 266, 400])
+def test_runs_stop_before_a_reused_prefix_block_lets_the_head_start(seed, monkeypatch):
+    # Seeds (found by search) in which a run's quiet steps end because the next block
+    # taken would cut the waiting prompt's match enough for it to start.
+    stopped = [0]
+    blocks_before = PagedKVManager.num_blocks_before_admission
+
+    def counting(manager, guard, limit):
+        safe = blocks_before(manager, guard, limit)
+        stopped[0] += (
+            guard is not None and len(guard.match_blocks) > 0 and safe < min(limit, manager.pool.num_free)
+        )
+        return safe
+
+    monkeypatch.setattr(PagedKVManager, "num_blocks_before_admission", counting)
+    workload, params = _prefix_cut_scenario(seed)
+    assert_identical(workload, **params)
+    assert stopped[0] > 0
 
 
 def test_parallel_samples_swap_preemption_and_closed_loop():

@@ -671,15 +671,17 @@ def test_decode_run_advance_equals_appending_one_slot_per_sequence(reservation):
     with pytest.raises(KVCapacityError):
         run.advance()
     assert _run_state(kv, seqs) == before
-    assert run.num_quiet_steps((), 10) == 0
+    assert run.num_quiet_steps(None, 10) == 0
 
 
 @pytest.mark.parametrize("reservation", [RequestReservation(), MaxLenReservation(24)])
 def test_decode_run_advance_many_reports_each_steps_usage(reservation):
     kv, stepped, seqs = _decode_pair(reservation)
     run = kv.decode_run(seqs)
-    num_steps = run.num_quiet_steps((), 100)
-    assert num_steps == run.num_quiet_steps(range(64), 100)  # a slab step takes no block
+    num_steps = run.num_quiet_steps(None, 100)
+    # A slab step takes no region: a waiting prompt's guard plays no part.
+    guard = kv.admission_guard([1] * 40, None, seqs, 40, 8)
+    assert guard.match_blocks.size == 0 and num_steps == run.num_quiet_steps(guard, 100)
     reported = run.advance_many(num_steps)
     expected = []
     for _ in range(num_steps):

@@ -35,7 +35,7 @@ Free list picture (head is reused first)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -157,15 +157,6 @@ class BlockPool:
     def free_blocks(self) -> list[int]:
         """Free block ids from head (next reused) to tail. O(num_free); for tests and checks."""
         return native.free_list_head(self._st, self.num_free + 1).tolist()
-
-    def num_free_before(self, watch: Container[int], limit: int) -> int:
-        """How many blocks from the free list's head (the next allocated) come before the
-        first one in ``watch``: at most ``limit`` and ``num_free``. Pure; O(result)."""
-        head = native.free_list_head(self._st, max(min(limit, self.num_free), 0)).tolist()
-        for count, b in enumerate(head):
-            if b in watch:
-                return count
-        return len(head)
 
     @property
     def reuse_listener(self) -> Callable[[np.ndarray], None] | None:

@@ -543,3 +543,50 @@ def settle_decode_claims(
         if end and (offset == 0 or offset + num_steps > block_size):  # it took a block
             claimed[lasts_after[i]] = end
     return stale
+
+
+@njit(cache=True, nogil=True)
+def blocks_before_fit(
+    st, match_blocks, num_tokens, max_new_tokens, block_size, num_allocatable, limit, position
+):  # pragma: no cover - compiled
+    """How many blocks, taken one by one from the free list's head (at most ``limit``),
+    leave a waiting prompt unable to start after each (``PagedKVManager.admission_guard``):
+    the paged manager's fit rule (``_match_fits``) for a block-aligned match, written out
+    for every cut of it (tests/test_kv_manager.py checks it against ``can_allocate``).
+
+    The prompt matches ``match_blocks`` (int64 [m], in order) and must have
+    ``num_tokens`` computed; it starts with ``min(num_tokens - cached, max_new_tokens)``
+    new tokens, which need that many slots' blocks on top of the matched blocks it
+    revives (those with ref count 0), out of ``num_allocatable`` less the blocks taken.
+    Taking a matched block cuts the match before it. Returns the blocks before the
+    first one after which the prompt fits (0 when it fits now), else how many the walk
+    took (fewer than ``limit`` when the free list is shorter). ``position`` int32
+    [num_blocks]: all -1 on entry, left so (scratch for the blocks' match positions)."""
+    m = match_blocks.shape[0]
+    unreferenced = np.zeros(m + 1, dtype=np.int64)  # [j]: among the first j matched blocks
+    for j in range(m):
+        b = match_blocks[j]
+        position[b] = j
+        unreferenced[j + 1] = unreferenced[j] + (1 if st[REF, b] == 0 else 0)
+    sentinel = st.shape[1] - 1
+    cut = m  # matched blocks left
+    taken = 0
+    b = st[NEXT, sentinel]
+    while True:
+        # The prompt's first step after `taken` blocks went: does it fit?
+        new = min(max(num_tokens - cut * block_size, 0), max_new_tokens)
+        need = (new + block_size - 1) // block_size
+        if need + unreferenced[cut] <= num_allocatable - taken:
+            safe = max(taken - 1, 0)  # the block just taken was one too many (none now)
+            break
+        if taken == limit or b == sentinel:
+            safe = taken
+            break
+        j = position[b]
+        if 0 <= j < cut:
+            cut = j
+        taken += 1
+        b = st[NEXT, b]
+    for j in range(m):
+        position[match_blocks[j]] = -1
+    return safe

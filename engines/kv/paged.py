@@ -24,7 +24,7 @@ stay referenced by the swapped sequence, because other holders still read them.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +32,7 @@ import numpy as np
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.prefix_cache import CommitEntry, PrefixIndex, PrefixMatch
-from kvbench.engines.kv.protocol import NO_OPS, DecodeRun, KVCapacityError, KVOps
+from kvbench.engines.kv.protocol import NO_OPS, AdmissionGuard, DecodeRun, KVCapacityError, KVOps
 from kvbench.engines.kv.token_ids import TokenPrefix
 from kvbench.types import KVUsage, Request
 
@@ -198,6 +198,8 @@ class PagedKVManager(SeqTable):
         self._claimed_at = memoryview(self._claimed)
         self._num_blocks_in_use = 0  # blocks with a sequence reference
         self._num_token_slots = 0  # sum of claimed slots over blocks in use
+        # Scratch for native.blocks_before_fit: per block its position in a guarded match, -1 between calls.
+        self._match_position = np.full(num_blocks, -1, dtype=np.int32)
         # Cumulative counters.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -360,13 +362,42 @@ class PagedKVManager(SeqTable):
             return None  # a copy-on-write ahead
         return PagedDecodeRun(self, seqs, residues, last_blocks)
 
-    def match_watch(
-        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
-    ) -> Container[int] | None:
-        """The prefix index's ``match_watch``: blocks whose reuse could change what
-        ``can_allocate(.., token_ids, .., extra_key)`` finds cached while only ``seq_ids``
-        decode; None when anything might. Pure apart from the index's match memo."""
-        return self.prefix_index.match_watch(token_ids, extra_key, seq_ids)
+    def admission_guard(
+        self,
+        token_ids: Sequence[int],
+        extra_key: str | None,
+        seq_ids: Sequence[int],
+        num_tokens: int,
+        max_new_tokens: int,
+    ) -> AdmissionGuard | None:
+        """See ``DecodeRunKV.admission_guard``: the prompt's matched blocks now; None for
+        an index whose matches need not be block aligned or that may lengthen this one
+        (``PrefixIndex.match_may_grow``). Pure apart from the index's match memo."""
+        index = self.prefix_index
+        if not index.registers_full_blocks_only or index.match_may_grow(token_ids, extra_key, seq_ids):
+            return None
+        return AdmissionGuard(index.match(token_ids, extra_key).block_id_array(), num_tokens, max_new_tokens)
+
+    def num_blocks_before_admission(self, guard: AdmissionGuard | None, limit: int) -> int:
+        """How many blocks, from the free list's head (the order decode steps take them),
+        may go (at most ``limit`` and ``pool.num_free``) with the prompt of ``guard`` (from
+        ``admission_guard``, this manager's state unchanged since but for blocks taken
+        from the free list) unable to start after each: ``can_allocate`` of its first
+        step stays False for whatever its match then holds (each matched block taken cuts
+        it there) in the room left. None: no prompt to guard. Pure; O(matched + result)."""
+        pool = self.pool
+        if guard is None:
+            return max(min(limit, pool.num_free), 0)
+        return native.blocks_before_fit(
+            pool.state,
+            guard.match_blocks,
+            guard.num_tokens,
+            guard.max_new_tokens,
+            self.block_size,
+            self.num_allocatable_blocks,
+            max(limit, 0),
+            self._match_position,
+        )
 
     def decode_run(self, seq_ids: Sequence[int]) -> PagedDecodeRun:
         """Start growing ``seq_ids`` by one slot per step (see ``PagedDecodeRun``). Mutates
@@ -854,19 +885,21 @@ class PagedDecodeRun:
                 self._lasts[index] = seq.block_ids[-1]
         self._num_steps += 1
 
-    def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
+    def num_quiet_steps(self, guard: AdmissionGuard | None, max_steps: int) -> int:
         """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
         once: together they take no more blocks than are free (the prefix index need not
-        ``evict``; cached-free blocks reused drop their registrations as usual) and none
-        of the blocks in ``watch``. 0 when the prefix index holds blocks (its commits move
-        references, so steps must interleave with them). Pure; O(steps + blocks taken)."""
+        ``evict``; cached-free blocks reused drop their registrations as usual), and after
+        each the prompt of ``guard`` still cannot start
+        (``PagedKVManager.num_blocks_before_admission``). 0 when the prefix index holds
+        blocks (its commits move references, so steps must interleave with them). Pure;
+        O(steps + matched + blocks taken)."""
         kv = self._kv
         if kv.prefix_index.holds_blocks or max_steps <= 0:
             return 0
         bs = kv.block_size
         # Each sequence takes at most one block per bs steps: an upper bound on the walk.
         cap = (max_steps // bs + 1) * len(self._seqs)
-        num_safe = kv.pool.num_free_before(watch, cap)
+        num_safe = kv.num_blocks_before_admission(guard, cap)
         at_boundary = self._at_boundary
         start = self._num_steps
         steps = total = 0

@@ -20,7 +20,7 @@ Who holds what (the manager and the index share one ``BlockPool``):
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -100,15 +100,13 @@ class PrefixIndex(Protocol):
         last prompt token is always computed. Mutates nothing (not even LRU order)."""
         ...
 
-    def match_watch(
-        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
-    ) -> Container[int] | None:
-        """What could change ``match(token_ids, extra_key)`` while only the sequences
+    def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
+        """Whether ``match(token_ids, extra_key)`` could lengthen while only the sequences
         ``seq_ids`` grow and commit (decode) and the pool only allocates (no frees, no
-        other acquire): the blocks whose reuse would drop part of the match. None when the
-        sequences' next registrations could lengthen the match, or the index cannot tell;
-        callers then re-match every step. The container is valid until the next call to
-        ``match``. Mutates nothing but the match memo and key-chain cache (as ``match``)."""
+        other acquire): their next registrations could supply its next block, or the index
+        cannot tell (True). When False, the match only loses blocks, each one the pool
+        reuses cutting it before that block. Mutates nothing but the match memo and
+        key-chain cache (as ``match``)."""
         ...
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
@@ -200,10 +198,8 @@ class NullPrefixIndex:
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
         return NO_MATCH
 
-    def match_watch(
-        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
-    ) -> Container[int] | None:
-        return ()  # nothing ever matches
+    def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
+        return False  # nothing ever matches
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
         return None
@@ -402,8 +398,6 @@ class BlockHashPrefixIndex:
             if valid and self._num_drops != chain.match_num_drops:
                 valid = native.first_dropped(self._dropped_at, array, valid, chain.match_num_drops)
             if valid < len(blocks):
-                if chain.match_block_set is not None:
-                    chain.match_block_set.difference_update(blocks[valid:])
                 blocks, array, num_taken = blocks[:valid], array[:valid], None
         found: list[int] = []
         if len(blocks) < num_full:
@@ -427,10 +421,6 @@ class BlockHashPrefixIndex:
                 array = np.concatenate([array, run]) if len(array) else run
         if num_taken is None:
             num_taken = pool.num_unreferenced(array)  # cached-free blocks revived from the free list
-        if chain.match_owner is not self:
-            chain.match_block_set = None
-        elif found and chain.match_block_set is not None:
-            chain.match_block_set.update(found)
         chain.match_owner, chain.match_blocks, chain.match_array = self, blocks, array
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
@@ -442,37 +432,29 @@ class BlockHashPrefixIndex:
             return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
         return PrefixMatch(len(blocks) * bs, blocks, num_taken, chain, array)
 
-    def match_watch(
-        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
-    ) -> Container[int] | None:
-        """See ``PrefixIndex.match_watch``: the matched blocks (the memo's block set).
-
-        With no frees, a match changes only if the pool reuses one of its blocks or a new
-        registration supplies the key at its frontier ``k`` (the first block that missed).
-        A sequence registers blocks from its own frontier ``f`` on, each key hanging off
-        the previous one, so it can only ever supply key ``k`` when its keys so far equal
+    def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
+        """See ``PrefixIndex.match_may_grow``. With no frees, a match changes only if the
+        pool reuses one of its blocks (the walk then stops before it) or a new registration
+        supplies the key at its frontier ``k`` (the first block that missed). A sequence
+        registers blocks from its own frontier ``f`` on, each key hanging off the previous
+        one, so it can only ever supply key ``k`` when its keys so far equal
         ``token_ids``' first ``f`` blocks' (its last registered key is theirs: a chained
-        key covers every block before it) and ``f <= k``: then None (it cannot be
-        ruled out; in simulation it needs another request's stand-in outputs in a prompt).
-        """
-        match = self.match(token_ids, extra_key)
-        num_matched = len(match.block_ids)
+        key covers every block before it) and ``f <= k``: then True (it cannot be ruled
+        out; in simulation it needs another request's stand-in outputs in a prompt)."""
+        num_matched = len(self.match(token_ids, extra_key).block_ids)
+        if num_matched >= max(len(token_ids) - 1, 0) // self._block_size:
+            return False  # every block a match may hold
         chain = self._chain(token_ids, extra_key)  # the memo's chain (a KeyCarrier's) or a new one
-        if num_matched < max(len(token_ids) - 1, 0) // self._block_size:  # the match may grow
-            chain.extend(token_ids, num_matched)  # no-op for the memo's chain
-            hashes = chain.hashes
-            for seq_id in seq_ids:
-                state = self._seq(seq_id)
-                frontier = state.num_blocks
-                if frontier <= num_matched and (
-                    frontier == 0 or state.last_key is None or state.last_key[0] == int(hashes[frontier - 1])
-                ):
-                    return None
-        if chain.match_owner is not self or chain.match_blocks is not match.block_ids:
-            return frozenset(match.block_ids)
-        if chain.match_block_set is None:
-            chain.match_block_set = set(chain.match_blocks)
-        return chain.match_block_set
+        chain.extend(token_ids, num_matched)  # no-op for the memo's chain
+        hashes = chain.hashes
+        for seq_id in seq_ids:
+            state = self._seq(seq_id)
+            frontier = state.num_blocks
+            if frontier <= num_matched and (
+                frontier == 0 or state.last_key is None or state.last_key[0] == int(hashes[frontier - 1])
+            ):
+                return True
+        return False
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
         if seq_id in self._seqs:

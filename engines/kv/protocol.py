@@ -17,7 +17,7 @@ before the step's forward pass; the managers never touch tensors.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,6 +27,23 @@ if TYPE_CHECKING:
     import numpy as np
 
     from kvbench.engines.sched.sequence import SequenceGroup
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionGuard:
+    """A waiting prompt that cannot start in the step just planned, for a decode run to
+    keep so while it takes several steps at once (``DecodeRunKV.admission_guard``,
+    ``DecodeRun.num_quiet_steps``): its matched blocks now (``match_blocks``, int64
+    [matched], in order; read only), the tokens its prefill must have computed
+    (``num_tokens``: its length, less a last token held back) and the most it computes
+    in its first step (``max_new_tokens``: the step's budget left after the run's
+    decodes). It would start with ``min(uncached, max_new_tokens)`` tokens; an unchunked
+    prefill starts with all of them or not at all, which only makes it start less
+    often than the guard assumes."""
+
+    match_blocks: np.ndarray
+    num_tokens: int
+    max_new_tokens: int
 
 
 @dataclass(frozen=True)
@@ -201,9 +218,10 @@ class DecodeRun(Protocol):
         KVCapacityError, changing nothing, when ``can_advance`` is False."""
         ...
 
-    def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
+    def num_quiet_steps(self, guard: AdmissionGuard | None, max_steps: int) -> int:
         """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
-        once without taking a block in ``watch``. Pure."""
+        once, each leaving the waiting prompt ``guard`` (None: none) unable to start.
+        Pure."""
         ...
 
     def advance_many(
@@ -249,11 +267,20 @@ class DecodeRunKV(KVManager, Protocol):
         The answer is the same either way. Mutates nothing."""
         ...
 
-    def match_watch(
-        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
-    ) -> Container[int] | None:
-        """Blocks whose reuse could change what ``num_cached_tokens(token_ids,
-        extra_key)`` finds while only ``seq_ids`` decode; None when anything might."""
+    def admission_guard(
+        self,
+        token_ids: Sequence[int],
+        extra_key: str | None,
+        seq_ids: Sequence[int],
+        num_tokens: int,
+        max_new_tokens: int,
+    ) -> AdmissionGuard | None:
+        """Call when a waiting prompt of ``token_ids`` (with ``extra_key``) cannot start
+        (``can_allocate`` said no) next to a decode run of ``seq_ids``: the guard a run
+        keeps it by (``AdmissionGuard``'s fields; ``num_tokens`` and ``max_new_tokens``
+        as given). None when the run's registrations could lengthen its match, or the
+        manager cannot tell: callers then check the prompt every step. Pure apart from
+        the prefix index's match memo."""
         ...
 
     def usage_counts(self) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ gets back: a request that fits the pool alone would be rejected. Two rules keep 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -135,12 +135,10 @@ class RadixPrefixIndex:
         self._pool = pool
         self._block_size = block_size
 
-    def match_watch(
-        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
-    ) -> Container[int] | None:
-        """See ``PrefixIndex.match_watch``: None (every commit extends the tree, and
+    def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
+        """See ``PrefixIndex.match_may_grow``: True (every commit extends the tree, and
         evictions move references, so any step may change a match)."""
-        return None
+        return True
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
         pool = self._bound_pool()

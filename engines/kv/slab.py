@@ -54,18 +54,28 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbench.engines.kv.paged import SeqTable, check_sizes, usage_columns_of
-from kvbench.engines.kv.protocol import COMMITS_REGISTER_NOTHING, NO_OPS, DecodeRun, KVCapacityError, KVOps
+from kvbench.engines.kv.protocol import (
+    COMMITS_REGISTER_NOTHING,
+    NO_OPS,
+    AdmissionGuard,
+    DecodeRun,
+    KVCapacityError,
+    KVOps,
+)
 from kvbench.engines.sched.sequence import num_samples
 from kvbench.types import KVUsage, Request
 
 if TYPE_CHECKING:
     from kvbench.engines.sched.sequence import SequenceGroup
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)  # an admission guard's matched blocks: none cached
+_NO_BLOCKS.flags.writeable = False
 
 
 # --------------------------------------------------------------------------- policies
@@ -620,12 +630,17 @@ class SlabKVManager(SeqTable):
             raise ValueError(f"decode_run: seqs {list(seq_ids)} cannot decode together (fork copies pending)")
         return run
 
-    def match_watch(
-        self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]
-    ) -> Container[int]:
-        """No block: nothing is ever cached, so no step of a decode run changes what
-        ``num_cached_tokens`` finds (always 0). Pure."""
-        return ()
+    def admission_guard(
+        self,
+        token_ids: Sequence[int],
+        extra_key: str | None,
+        seq_ids: Sequence[int],
+        num_tokens: int,
+        max_new_tokens: int,
+    ) -> AdmissionGuard:
+        """See ``DecodeRunKV.admission_guard``: no matched block (nothing is ever cached),
+        and no step of a decode run takes a region, so the prompt's answer stays. Pure."""
+        return AdmissionGuard(_NO_BLOCKS, num_tokens, max_new_tokens)
 
     # ------------------------------------------------------------------ usage / check
     def usage(self) -> KVUsage:
@@ -860,10 +875,10 @@ class SlabDecodeRun:
         # A sequence at or past its will-use counts its new slot there too (see append).
         self._took(1, int(np.count_nonzero(self._past_will_use >= 0)))
 
-    def num_quiet_steps(self, watch: Container[int], max_steps: int) -> int:
+    def num_quiet_steps(self, guard: AdmissionGuard | None, max_steps: int) -> int:
         """How many of the next steps (at most ``max_steps``) ``advance_many`` may take at
-        once: until the first region is full. ``watch`` plays no part (a slab step takes
-        no block). Pure."""
+        once: until the first region is full. ``guard`` plays no part (a slab step takes
+        no region: a prompt that cannot start now cannot in the run). Pure."""
         return max(0, min(max_steps, self._num_steps_left))
 
     def advance_many(

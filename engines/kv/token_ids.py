@@ -59,7 +59,6 @@ class BlockKeyChain:
         "match_owner",
         "match_blocks",
         "match_array",
-        "match_block_set",
         "match_num_taken",
         "match_ref_version",
         "match_num_drops",
@@ -82,9 +81,6 @@ class BlockKeyChain:
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
         self.match_array = np.empty(0, dtype=np.int64)  # match_blocks as int64 [len(match_blocks)]
-        # match_blocks as a set, for match_watch's membership tests (built lazily there,
-        # trimmed when the memo is cut, grown when it is extended).
-        self.match_block_set: set[int] | None = None
         self.match_num_taken = 0  # unreferenced blocks among match_blocks then
         self.match_ref_version = -1  # the pool's ref_version then
         self.match_num_drops = 0  # the index's cumulative dropped registrations then

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
@@ -585,26 +585,31 @@ class Scheduler:
     ) -> int:
         """Call right after ``append_decodes`` returned True: how many of the next steps (at
         most ``max_steps``) surely stay plain decode steps as far as admission goes, and can
-        be reserved together (``DecodeRun.advance_many``). The head's admission check only
-        reads its prefix match and the room the manager has for it, which in a run only
-        shrinks (paged: allocatable blocks) or stays (slab: free runs), so its answer
-        stays False until the match changes: until a step takes one of the matched blocks,
-        or a registration could extend it (the manager's ``match_watch``; ``run`` bounds
-        the steps by what it can take). Pure apart from the prefix index's match memo."""
+        be reserved together (``DecodeRun.advance_many``). The head's admission check
+        (``_head_may_start``) only reads its prefix match and the room the manager has for
+        it, which in a run only shrinks (paged: allocatable blocks) or stays (slab: free
+        runs); a match only shrinks too unless a registration could extend it (then the
+        manager gives no guard). ``run`` counts the steps after each of which the head
+        still cannot start (``DecodeRun.num_quiet_steps`` with the manager's
+        ``admission_guard``). Pure apart from the prefix index's match memo."""
         budget = self.config.max_num_batched_tokens - len(pairs)
-        watch: Container[int] = ()  # nothing can start: no block matters
+        guard = None  # no waiting group can start in the run: no block matters
         if self.waiting and budget > 0:
             group = self.waiting[0]
             if self._fits_seq_budget(group):
                 if len(group.seqs) != 1:
                     return 0
-                found = self.kv.match_watch(
-                    group.seqs[0].token_ids, group.request.cache_salt, [seq.seq_id for _, seq in pairs]
+                seq = group.seqs[0]
+                guard = self.kv.admission_guard(
+                    seq.token_ids,
+                    group.request.cache_salt,
+                    [running.seq_id for _, running in pairs],
+                    self._prefill_target(seq, group.is_beam and group.has_forked),
+                    budget,
                 )
-                if found is None:
+                if guard is None:
                     return 0
-                watch = found
-        return run.num_quiet_steps(watch, max_steps)
+        return run.num_quiet_steps(guard, max_steps)
 
     def complete_decodes_many(
         self, pairs: list[tuple[SequenceGroup, Sequence]], token_rows: list[list[int]]
@@ -683,9 +688,7 @@ class Scheduler:
         attaches its blocks). None when its prefill cannot start in this step: unchunked,
         over the budget, and other pieces (``has_pieces``) are planned. Pure apart from
         the prefix index's match memo."""
-        remaining = (
-            len(seq.token_ids) - (1 if hold_last else 0) - self.kv.num_cached_tokens(seq.token_ids, salt)
-        )
+        remaining = self._prefill_target(seq, hold_last) - self.kv.num_cached_tokens(seq.token_ids, salt)
         if remaining < 0:
             remaining = 0
         if self.config.chunked_prefill:
@@ -694,10 +697,15 @@ class Scheduler:
             return None
         return remaining
 
+    @staticmethod
+    def _prefill_target(seq: Sequence, hold_last: bool) -> int:
+        """Tokens ``seq`` has computed once its prefill is done: all (all but the last for
+        a beam holding it back, ``_hold_last``). Pure."""
+        return len(seq.token_ids) - (1 if hold_last else 0)
+
     def _num_tokens_to_run(self, group: SequenceGroup, seq: Sequence, hold_last: bool) -> int:
         """Tokens of ``seq`` to compute now under the remaining budget (0: nothing now)."""
-        target = len(seq.token_ids) - (1 if hold_last else 0)
-        return self._chunk_len(target - seq.num_computed_tokens)
+        return self._chunk_len(self._prefill_target(seq, hold_last) - seq.num_computed_tokens)
 
     def _chunk_len(self, remaining: int) -> int:
         """Tokens of a ``remaining``-token prefill to compute now under the budget (0: none now)."""
