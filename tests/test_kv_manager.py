@@ -680,6 +680,27 @@ def test_match_may_grow_unless_no_sequence_can_extend_the_match():
     assert make(RadixPrefixIndex()).admission_guard(head, None, [], len(head), 4) is None
 
 
+def test_a_whole_match_cut_by_a_reused_block_can_grow_back():
+    """A match holding every block it may (so no frontier to extend) still may grow: once
+    a decode step reuses one of its blocks, a running sequence whose keys equal the
+    prompt's up to there can register that key again (here with the same tokens)."""
+    m = make(num_blocks=8)
+    prompt = list(range(10, 22)) + [99]  # three full blocks and one token
+    prefill(m, 0, prompt)
+    m.free(0)
+    matched = m.prefix_index.match(prompt, None).block_ids
+    assert len(matched) == 3  # whole: a match leaves the last token to compute
+    prefill(m, 1, prompt[:5])  # attaches the first block, registers nothing new
+    assert m.prefix_index.match_may_grow(prompt, None, [1])
+    assert m.admission_guard(prompt, None, [1], len(prompt), 64) is None
+    while matched[1] in m.pool.free_blocks():  # decode steps reuse the second block
+        m.pool.allocate_array(1)
+    assert m.num_cached_tokens(prompt, None) == BS
+    m.append(1, 3)
+    m.commit(1, prompt[: 2 * BS])  # the sequence's own second block, same tokens
+    assert m.num_cached_tokens(prompt, None) > BS  # grown back past the cut
+
+
 def test_admission_guard_of_a_memoised_head_follows_its_growing_match():
     """A head carrying its keys (KeyedTokenIds) keeps its match memo: when a registration
     extends the match, the next guard holds the new block too."""

@@ -187,13 +187,15 @@ def test_mooncake_head_fixture(prefix_cache, monkeypatch):
     assert (reserved[0] > 0) == (prefix_cache != "radix")
 
 
-def _prefix_cut_scenario(seed: int) -> tuple[Workload, dict[str, object]]:
+def _prefix_cut_scenario(seed: int, crowded: bool = False) -> tuple[Workload, dict[str, object]]:
     """Two prompts sharing a prefix, prefilled side by side (so the prefix is computed
     twice and the first one to commit registers it), decoding next to long fillers; a
     later prompt extends the longer one. Once both finish, the later prompt's match runs
     through the shorter one's prefix blocks then the longer one's, and the shorter one's
     were freed first: a decode step that reuses one cuts the match short, and the
-    prompt may then fit (``PagedKVManager.num_blocks_before_admission``)."""
+    prompt may then fit (``PagedKVManager.num_blocks_before_admission``). ``crowded``:
+    more fillers, budgets that are no multiple of the block size and longer later
+    prompts, so the budget left after the decodes decides where a run stops."""
     rng = random.Random(seed)
     bs = 4
     shared = [rng.randint(10, 40) for _ in range(bs * rng.randint(1, 3))]
@@ -202,29 +204,41 @@ def _prefix_cut_scenario(seed: int) -> tuple[Workload, dict[str, object]]:
         Request("short", 0.0, (*shared, 1), rng.randint(1, 4)),
         Request("long", 0.0, (*shared, *rest, 2), rng.randint(4, 12)),
     ]
-    for filler in range(rng.randint(1, 4)):
+    for filler in range(rng.randint(3, 7) if crowded else rng.randint(1, 4)):
         prompt = tuple(rng.randint(50, 90) for _ in range(rng.randint(2, 12)))
         requests.append(Request(f"filler{filler}", 0.0, prompt, rng.randint(30, 120)))
     arrival_s = rng.uniform(0.05, 0.6)
-    extra = [rng.randint(100, 140) for _ in range(rng.randint(1, 12))]
+    extra = [rng.randint(100, 140) for _ in range(rng.randint(1, 60 if crowded else 12))]
     requests.append(Request("later", arrival_s, (*shared, *rest, *extra), rng.randint(1, 10)))
     requests.sort(key=lambda request: request.arrival_s)
     params: dict[str, object] = dict(
         block_size=bs,
         num_blocks=rng.randint(10, 40),
         max_num_seqs=8,
-        max_num_batched_tokens=rng.choice([16, 24, 32, 64, 128]),
+        max_num_batched_tokens=rng.choice(
+            [13, 14, 18, 21, 22, 26, 30, 34, 38] if crowded else [16, 24, 32, 64, 128]
+        ),
         prefix_cache="block_hash",
     )
     return Workload("prefix_cut", tuple(requests)), params
 
 
-@pytest.mark.parametrize("seed", [13, 266, 400])
-def test_runs_stop_before_a_reused_prefix_block_lets_the_head_start(seed, monkeypatch):
+@pytest.mark.parametrize(("seed", "crowded"), [(13, False), (266, False), (400, False), (223, True)])
+def test_runs_stop_before_a_reused_prefix_block_lets_the_head_start(seed, crowded, monkeypatch):
     # Seeds (found by search) in which a run's quiet steps end because the next block
-    # taken would cut the waiting prompt's match enough for it to start.
+    # taken would cut the waiting prompt's match enough for it to start; in the crowded
+    # one, only where the budget left after the decodes says so.
+    workload, params = _prefix_cut_scenario(seed, crowded)
     stopped = [0]
     blocks_before = PagedKVManager.num_blocks_before_admission
+    guard_of = PagedKVManager.admission_guard
+
+    def checked_guard(manager, token_ids, extra_key, seq_ids, num_tokens, max_new_tokens):
+        # The scheduler's head: its whole prompt to compute (no beams here), and the
+        # step's budget less one token per decoding sequence.
+        assert num_tokens == len(token_ids)
+        assert max_new_tokens == params["max_num_batched_tokens"] - len(seq_ids)
+        return guard_of(manager, token_ids, extra_key, seq_ids, num_tokens, max_new_tokens)
 
     def counting(manager, guard, limit):
         safe = blocks_before(manager, guard, limit)
@@ -234,7 +248,7 @@ def test_runs_stop_before_a_reused_prefix_block_lets_the_head_start(seed, monkey
         return safe
 
     monkeypatch.setattr(PagedKVManager, "num_blocks_before_admission", counting)
-    workload, params = _prefix_cut_scenario(seed)
+    monkeypatch.setattr(PagedKVManager, "admission_guard", checked_guard)
     assert_identical(workload, **params)
     assert stopped[0] > 0
 

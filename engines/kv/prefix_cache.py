@@ -103,10 +103,10 @@ class PrefixIndex(Protocol):
     def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
         """Whether ``match(token_ids, extra_key)`` could lengthen while only the sequences
         ``seq_ids`` grow and commit (decode) and the pool only allocates (no frees, no
-        other acquire): their next registrations could supply its next block, or the index
-        cannot tell (True). When False, the match only loses blocks, each one the pool
-        reuses cutting it before that block. Mutates nothing but the match memo and
-        key-chain cache (as ``match``)."""
+        other acquire): their next registrations could supply a block it lacks, now or
+        once it lost one, or the index cannot tell (True). When False, the match only
+        loses blocks, each one the pool reuses cutting it before that block. Mutates
+        nothing but the match memo and key-chain cache (as ``match``)."""
         ...
 
     def acquire(self, seq_id: int, match: PrefixMatch) -> None:
@@ -435,22 +435,25 @@ class BlockHashPrefixIndex:
     def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
         """See ``PrefixIndex.match_may_grow``. With no frees, a match changes only if the
         pool reuses one of its blocks (the walk then stops before it) or a new registration
-        supplies the key at its frontier ``k`` (the first block that missed). A sequence
-        registers blocks from its own frontier ``f`` on, each key hanging off the previous
-        one, so it can only ever supply key ``k`` when its keys so far equal
-        ``token_ids``' first ``f`` blocks' (its last registered key is theirs: a chained
-        key covers every block before it) and ``f <= k``: then True (it cannot be ruled
-        out; in simulation it needs another request's stand-in outputs in a prompt)."""
+        supplies the key at a position ``k`` it does not hold: its frontier (the first
+        block that missed) or, once a reused block cut it there, a position it held (the
+        key is free again). A sequence registers blocks from its own frontier ``f`` on,
+        each key hanging off the previous one, so it can only ever supply key ``k`` when its
+        keys so far equal ``token_ids``' first ``f`` blocks' (its last registered key is
+        theirs: a chained key covers every block before it) and ``f <= k``: then True (it
+        cannot be ruled out; in simulation it needs another request's stand-in outputs in a
+        prompt). ``k`` is at most the matched blocks, less one for a whole match (every
+        block a match may hold: no frontier), which can only grow back."""
         num_matched = len(self.match(token_ids, extra_key).block_ids)
-        if num_matched >= max(len(token_ids) - 1, 0) // self._block_size:
-            return False  # every block a match may hold
+        whole = num_matched >= max(len(token_ids) - 1, 0) // self._block_size
+        last_position = num_matched - 1 if whole else num_matched  # the largest k
         chain = self._chain(token_ids, extra_key)  # the memo's chain (a KeyCarrier's) or a new one
         chain.extend(token_ids, num_matched)  # no-op for the memo's chain
         hashes = chain.hashes
         for seq_id in seq_ids:
             state = self._seq(seq_id)
             frontier = state.num_blocks
-            if frontier <= num_matched and (
+            if frontier <= last_position and (
                 frontier == 0 or state.last_key is None or state.last_key[0] == int(hashes[frontier - 1])
             ):
                 return True
