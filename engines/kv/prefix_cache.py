@@ -399,7 +399,6 @@ class BlockHashPrefixIndex:
                 valid = native.first_dropped(self._dropped_at, array, valid, chain.match_num_drops)
             if valid < len(blocks):
                 blocks, array, num_taken = blocks[:valid], array[:valid], None
-        found: list[int] = []
         if len(blocks) < num_full:
             chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
             run = native.lookup_run(
@@ -414,10 +413,9 @@ class BlockHashPrefixIndex:
                 num_full,
             )
             if len(run):
-                found = run.tolist()
                 if num_taken is not None:
                     num_taken += pool.num_unreferenced(run)
-                blocks = blocks + tuple(found)
+                blocks = blocks + tuple(run.tolist())
                 array = np.concatenate([array, run]) if len(array) else run
         if num_taken is None:
             num_taken = pool.num_unreferenced(array)  # cached-free blocks revived from the free list

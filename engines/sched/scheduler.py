@@ -593,7 +593,7 @@ class Scheduler:
         still cannot start (``DecodeRun.num_quiet_steps`` with the manager's
         ``admission_guard``). Pure apart from the prefix index's match memo."""
         budget = self.config.max_num_batched_tokens - len(pairs)
-        guard = None  # no waiting group can start in the run: no block matters
+        guard = None  # no waiting group could start in the run, whatever blocks it takes
         if self.waiting and budget > 0:
             group = self.waiting[0]
             if self._fits_seq_budget(group):
