@@ -555,20 +555,24 @@ class _CoveredTokens:
         np.add.at(generated, codes, pair_steps)
         first_token_s = np.full(len(order), np.inf)
         np.minimum.at(first_token_s, codes, ends[first_end[pair_run]])
-        # Sample 0's token times: each pair's run's step ends, grouped by request. The
-        # pairs are sorted (stably, keeping each request's runs in replay order, hence its
-        # times in time order), then expanded to one entry per token.
+        # Sample 0's token times: each pair's run's step ends, a slice of `ends`, grouped
+        # by request: the pairs are sorted (stably, keeping each request's runs in replay
+        # order, hence its times in time order), and a request's slices that adjoin
+        # (consecutive runs) merge, so that a request takes a few slices of the float
+        # objects, not one lookup per token.
         zero = samples == 0
         zero_codes = codes[zero]
         by_request = np.argsort(zero_codes, kind="stable")
         zero_codes = zero_codes[by_request]
-        zero_runs = pair_run[zero][by_request]
-        zero_steps = pair_steps[zero][by_request]
-        positions = np.repeat(first_end[zero_runs] - (np.cumsum(zero_steps) - zero_steps), zero_steps)
-        positions += np.arange(len(positions))  # in `ends` [sample-0 tokens], grouped by request
-        # Request c's tokens: positions[bounds[c] : bounds[c + 1]] (zero_codes is sorted).
-        token_codes = np.repeat(zero_codes, zero_steps)
-        bounds = np.searchsorted(token_codes, np.arange(len(order) + 1)).tolist()
+        slice_start = first_end[pair_run[zero][by_request]]
+        slice_stop = slice_start + pair_steps[zero][by_request]
+        continues = np.zeros(len(zero_codes), dtype=bool)  # a slice extending the one before
+        continues[1:] = (zero_codes[1:] == zero_codes[:-1]) & (slice_start[1:] == slice_stop[:-1])
+        heads = np.flatnonzero(~continues)
+        starts = slice_start[heads].tolist()
+        stops = slice_stop[np.append(heads[1:], len(zero_codes)) - 1].tolist()
+        # Request c's merged slices: starts / stops [bounds[c] : bounds[c + 1]].
+        bounds = np.searchsorted(zero_codes[heads], np.arange(len(order) + 1)).tolist()
         for code, (request_id, num_generated, first) in enumerate(
             zip(order, generated.tolist(), first_token_s.tolist())
         ):
@@ -576,9 +580,15 @@ class _CoveredTokens:
             log.num_generated_tokens += num_generated
             if not first >= log.first_token_s:  # NaN (none yet) or later
                 log.first_token_s = first
-            covered_times = list(
-                map(end_objects.__getitem__, positions[bounds[code] : bounds[code + 1]].tolist())
-            )
+            low, high = bounds[code], bounds[code + 1]
+            if high == low + 1:
+                covered_times = end_objects[starts[low] : stops[low]]
+            else:
+                covered_times = list(
+                    itertools.chain.from_iterable(
+                        end_objects[start:stop] for start, stop in zip(starts[low:high], stops[low:high])
+                    )
+                )
             if covered_times:
                 # Both lists are in time order: the merge is a sort of two runs.
                 log.token_times_s = (

@@ -335,16 +335,16 @@ def allocate_steps_registering(
     block_check,
     multipliers,
     entries,
-    tokens,
     lanes,
 ):  # pragma: no cover - compiled
     """``allocate_steps`` with registrations after each step. ``entries`` int64
-    [entries, 4]: per entry its step, row, position and block (one array: each argument
-    costs a type check per call, and the decode path calls this once per step or span).
+    [entries, 4 + bs]: per entry its step, row, position and block, then the block's
+    ``bs`` token ids (one array: each argument costs a type check per call and each
+    conversion a numpy call, and the decode path calls this once per step or span).
     After step ``t``'s blocks are taken, entries ``e`` of step ``t`` (steps ascending) are
     keyed and registered in order (``commit_many`` is one step with no blocks taken).
-    Entry ``e`` keys its block, block ``position`` of its sequence, from ``tokens[e * bs :
-    (e + 1) * bs]`` as ``kvbench.hashing.chained_block_keys_into`` keys it, chained from
+    Entry ``e`` keys its block, block ``position`` of its sequence, from ``entries[e,
+    4:]`` as ``kvbench.hashing.chained_block_keys_into`` keys it, chained from
     its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated as its
     entries are keyed, so a sequence's entries chain in order and each row ends at its
     last entry's key); each step's entries are then registered by one ``register_run``
@@ -368,9 +368,8 @@ def allocate_steps_registering(
             # Keying reads only the tokens and lanes, never the table: a step's entries
             # are keyed first, then registered in order.
             row = entries[e, 1]
-            bs = multipliers.shape[0]
             chained_block_keys_into(
-                tokens[e * bs : (e + 1) * bs],
+                entries[e, 4:],
                 multipliers,
                 entries[e, 2],
                 lanes[row],

@@ -434,13 +434,20 @@ class PagedKVManager(SeqTable):
             for seq_id, token_ids in entries:
                 self.commit(seq_id, token_ids)
             return
-        index.commit_many([self._commit_row(seq_id, token_ids) for seq_id, token_ids in entries])
+        index.commit_many(self._commit_rows(entries))
 
-    def _commit_row(self, seq_id: int, token_ids: Sequence[int]) -> CommitEntry:
-        """The prefix index's commit entry for ``seq_id`` committing ``token_ids``: its block
-        table (the live int64 array, not a copy) and extra key."""
-        seq = self._committing(seq_id, token_ids)
-        return seq_id, token_ids, seq.block_ids, seq.extra_key
+    def _commit_rows(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[CommitEntry]:
+        """The prefix index's commit entries for ``entries`` (seq id, the tokens it commits):
+        each with its block table (the live int64 array, not a copy) and extra key.
+        ValueError as ``_committing`` on the first bad entry. Pure."""
+        seqs = self._seqs
+        rows = []
+        for seq_id, token_ids in entries:  # a step's decode commits: no call per entry
+            seq = seqs.get(seq_id)
+            if seq is None or seq.host_blocks is not None or len(token_ids) > seq.num_tokens:
+                seq = self._committing(seq_id, token_ids)  # raises naming it
+            rows.append((seq_id, token_ids, seq.block_ids, seq.extra_key))
+        return rows
 
     def _committing(self, seq_id: int, token_ids: Sequence[int]) -> _Seq:
         """The resident sequence ``seq_id`` may commit ``token_ids``: ValueError (naming it)
@@ -964,11 +971,7 @@ class PagedDecodeRun:
             last = min(first + span, num_steps)
             span_needs = needs[first:last]
             span_takers = takers[at : at + sum(span_needs)]
-            rows = (
-                [[kv._commit_row(seq_id, ids) for seq_id, ids in commits[t]] for t in range(first, last)]
-                if commits
-                else []
-            )
+            rows = [kv._commit_rows(commits[t]) for t in range(first, last)] if commits else []
             free, cached = pool.num_free, pool.num_cached_free
             taken = index.allocate_decode_steps(pool, np.array(span_needs, dtype=np.int64), rows)
             if taken is None:

@@ -263,11 +263,12 @@ class _SeqHashState:
 
 class _StepRegistrations:
     """Decode-block registrations gathered for ``native.allocate_steps_registering``: per
-    entry its step, its sequence's row, its block's position and id (``entries``, flat
-    quadruples) and ids (``tokens``, ``block_size`` each); per row (sequence, in
-    first-seen order) its state, last key (``lanes``, flat pairs) and entries so far."""
+    entry its step, its sequence's row, its block's position and id, then the block's
+    ``block_size`` ids (``entries``, flat: ``4 + block_size`` values an entry); per row
+    (sequence, in first-seen order) its state, last key (``lanes``, flat pairs) and
+    entries so far."""
 
-    __slots__ = ("block_size", "rows", "states", "num_entries", "lanes", "entries", "tokens")
+    __slots__ = ("block_size", "rows", "states", "num_entries", "lanes", "entries")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -276,30 +277,44 @@ class _StepRegistrations:
         self.num_entries: list[int] = []
         self.lanes: list[int] = []
         self.entries: list[int] = []
-        self.tokens: list[int] = []
 
-    def add(
-        self,
-        step: int,
-        seq_id: int,
-        state: _SeqHashState,
-        position: int,
-        block: int,
-        token_ids: Sequence[int],
-    ) -> None:
-        """One entry: block ``block`` at ``position`` of ``seq_id`` (whose ids ``token_ids``
-        fill it; ``state.last_key`` is set), registered after step ``step``."""
-        row = self.rows.get(seq_id)
-        if row is None:
-            row = self.rows[seq_id] = len(self.states)
-            self.states.append(state)
-            self.num_entries.append(1)
-            self.lanes += state.last_key
-        else:
-            self.num_entries[row] += 1
-        self.entries += (step, row, position, block)
-        start = position * self.block_size
-        self.tokens += id_list(token_ids, start, start + self.block_size)
+    def add_step(
+        self, step: int, entries: Sequence[CommitEntry], seqs: dict[int, _SeqHashState], start: int = 0
+    ) -> int:
+        """Add ``entries[start:]``, step ``step``'s commits (``seqs``: the index's states),
+        up to the first that is no decode commit: one completing exactly the next block of
+        a known sequence (counting its entries added before) whose last key is known, from
+        a block in its table; an entry completing no new block is skipped. Returns the
+        position of the entry it stopped at, or ``len(entries)``. Mutates itself only."""
+        bs = self.block_size
+        rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
+        for at in range(start, len(entries)):
+            seq_id, token_ids, block_ids, _ = entries[at]
+            row = rows.get(seq_id)
+            if row is None:
+                state = seqs.get(seq_id)
+                if state is None or state.last_key is None:
+                    return at
+                first = state.num_blocks
+            else:
+                state = states[row]
+                first = state.num_blocks + num_entries[row]
+            num_full = len(token_ids) // bs
+            if num_full <= first:
+                continue  # no new full block
+            if num_full != first + 1 or first >= len(block_ids):
+                return at
+            if row is None:
+                rows[seq_id] = len(states)
+                states.append(state)
+                num_entries.append(1)
+                self.lanes += state.last_key
+                row = len(states) - 1
+            else:
+                num_entries[row] += 1
+            flat += (step, row, first, block_ids[first])
+            flat += id_list(token_ids, first * bs, num_full * bs)
+        return len(entries)
 
 
 _NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
@@ -508,32 +523,22 @@ class BlockHashPrefixIndex:
         return ()
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
-        """See ``PrefixIndex.commit_many``. An entry that completes exactly the next block
-        of a sequence whose last registered key is known (a decode commit) joins
-        a batch keyed and registered in one compiled call (``_register_in_steps`` with no
-        blocks to take); any other entry is a plain ``commit``, after the batch so far
-        (registration order decides which of two equal keys wins)."""
+        """See ``PrefixIndex.commit_many``. Decode commits (``_StepRegistrations.add_step``)
+        join a batch keyed and registered in one compiled call (``_register_in_steps``
+        with no blocks to take); any other entry is a plain ``commit``, after the batch so
+        far (registration order decides which of two equal keys wins)."""
         bs = self._block_size
-        seqs = self._seqs
         batch = _StepRegistrations(bs)
-        for seq_id, token_ids, block_ids, extra_key in entries:
-            state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
-            first = state.num_blocks
-            num_full = len(token_ids) // bs
-            if num_full <= first:
-                continue  # no new full block
-            if (
-                num_full == first + 1
-                and state.last_key is not None
-                and len(block_ids) > first
-                and seq_id not in batch.rows  # a second entry would key from a stale state
-            ):
-                batch.add(0, seq_id, state, first, block_ids[first], token_ids)
-                continue
+        at = 0
+        while True:
+            at = batch.add_step(0, entries, self._seqs, at)
+            if at == len(entries):
+                break
             if batch.rows:
                 self._register_in_steps(_NO_NEEDS, batch)
                 batch = _StepRegistrations(bs)
-            self.commit(seq_id, token_ids, block_ids, extra_key)
+            self.commit(*entries[at])  # raises naming an unknown seq
+            at += 1
         if batch.rows:
             self._register_in_steps(_NO_NEEDS, batch)
 
@@ -552,26 +557,12 @@ class BlockHashPrefixIndex:
             raise MemoryError(
                 f"BlockHashPrefixIndex.allocate_decode_steps: {int(needs.sum())} blocks, {pool.num_free} free"
             )
-        bs = self._block_size
-        seqs = self._seqs
-        steps = _StepRegistrations(bs)
+        steps = _StepRegistrations(self._block_size)
         for step, entries in enumerate(commits):
-            for seq_id, token_ids, block_ids, _ in entries:
-                row = steps.rows.get(seq_id)
-                if row is None:
-                    state = seqs.get(seq_id) or self._seq(seq_id)  # _seq raises naming it
-                    if state.last_key is None:
-                        return None
-                    first = state.num_blocks
-                else:
-                    state = steps.states[row]
-                    first = state.num_blocks + steps.num_entries[row]
-                num_full = len(token_ids) // bs
-                if num_full <= first:
-                    continue  # no new full block
-                if num_full != first + 1 or first >= len(block_ids):
-                    return None
-                steps.add(step, seq_id, state, first, block_ids[first], token_ids)
+            at = steps.add_step(step, entries, self._seqs)
+            if at < len(entries):
+                self._seq(entries[at][0])  # raises naming an unknown seq
+                return None
         return self._register_in_steps(needs, steps)
 
     def _register_in_steps(
@@ -597,8 +588,7 @@ class BlockHashPrefixIndex:
             self._block_hash,
             self._block_check,
             block_multipliers(self._block_size),
-            np.array(steps.entries, dtype=np.int64).reshape(-1, 4),  # [entries, 4]
-            np.array(steps.tokens, dtype=np.int64),
+            np.array(steps.entries, dtype=np.int64).reshape(-1, 4 + self._block_size),  # [entries, 4 + bs]
             lanes,
         )
         self._num_registered += registered
