@@ -569,8 +569,11 @@ class _CoveredTokens:
         continues = np.zeros(len(zero_codes), dtype=bool)  # a slice extending the one before
         continues[1:] = (zero_codes[1:] == zero_codes[:-1]) & (slice_start[1:] == slice_stop[:-1])
         heads = np.flatnonzero(~continues)
+        lasts = np.empty(len(heads), dtype=np.int64)  # each merged slice's last pair
+        lasts[:-1] = heads[1:] - 1
+        lasts[-1:] = len(zero_codes) - 1  # none when no pair is a sample 0's
         starts = slice_start[heads].tolist()
-        stops = slice_stop[np.append(heads[1:], len(zero_codes)) - 1].tolist()
+        stops = slice_stop[lasts].tolist()
         # Request c's merged slices: starts / stops [bounds[c] : bounds[c + 1]].
         bounds = np.searchsorted(zero_codes[heads], np.arange(len(order) + 1)).tolist()
         for code, (request_id, num_generated, first) in enumerate(

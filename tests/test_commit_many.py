@@ -128,6 +128,58 @@ def test_commit_many_checks_every_entry_before_committing_any():
     m.check()
 
 
+def test_commit_many_refuses_a_swapped_out_sequence():
+    m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex(), num_host_blocks=8)
+    tokens = KeyedTokenIds([5] * 8)
+    m.allocate(0, tokens, 8, None)
+    m.swap_out(0)
+    with pytest.raises(ValueError, match="commit: seq 0 is swapped out"):
+        m.commit_many([(0, tokens)])
+    assert m.prefix_index.num_cached_blocks == 0
+    m.check()
+
+
+def _decoding_index(num_seqs: int) -> tuple[PagedKVManager, list[KeyedTokenIds]]:
+    """A manager whose sequences 0 .. num_seqs - 1 each registered one full block and hold
+    a second one just filled (4 decode tokens written): each one's next commit is a
+    decode commit of block 1."""
+    m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex())
+    ids = []
+    for seq_id in range(num_seqs):
+        tokens = KeyedTokenIds([3 + seq_id] * BS)
+        m.allocate(seq_id, tokens, BS, None)
+        m.commit(seq_id, tokens)
+        m.append(seq_id, BS)
+        tokens.extend([7 + seq_id] * BS)
+        ids.append(tokens)
+    return m, ids
+
+
+def test_index_commit_many_commits_the_entries_before_an_unknown_seq():
+    """``PrefixIndex.commit_many`` raises on the first bad entry with the entries before it
+    committed (its contract): the decode commit batched before an unknown sequence is
+    registered, the one after it is not."""
+    m, ids = _decoding_index(2)
+    index = m.prefix_index
+    rows = [(seq_id, ids[seq_id], m.block_table(seq_id), None) for seq_id in (0, 1)]
+    with pytest.raises(KeyError, match="unknown seq 9"):
+        index.commit_many([rows[0], (9, ids[1], m.block_table(1), None), rows[1]])
+    assert index.registration(0)[0] == 2  # seq 0's decode block: registered
+    assert index.registration(1)[0] == 1  # seq 1's: not
+    m.check()
+
+
+def test_allocate_decode_steps_raises_on_an_unknown_seq_changing_nothing():
+    m, ids = _decoding_index(1)
+    index, pool = m.prefix_index, m.pool
+    before = (pool.state.tobytes(), pool.counts.tobytes(), index.registration(0))
+    rows = [[(0, ids[0], m.block_table(0), None), (9, ids[0], m.block_table(0), None)]]
+    with pytest.raises(KeyError, match="unknown seq 9"):
+        index.allocate_decode_steps(pool, np.array([1], dtype=np.int64), rows)
+    assert (pool.state.tobytes(), pool.counts.tobytes(), index.registration(0)) == before
+    m.check()
+
+
 def test_a_radix_index_commits_one_entry_at_a_time():
     """The radix tree holds blocks, so its commits may switch table entries: the manager
     commits each entry alone, and the index refuses a batch."""

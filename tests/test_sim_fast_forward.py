@@ -279,6 +279,24 @@ def test_eos_ends_runs_when_not_ignored():
     assert_identical(workload, spec=spec, num_blocks=128)
 
 
+@pytest.mark.parametrize("count_at_once", [None, 5])
+def test_runs_after_sample_0_finished(count_at_once, monkeypatch):
+    """A best-of-2 request whose sample 0 stops at EOS after one token: the runs that
+    follow hold only sample 1, so the covered tokens the runner counts (once at the end,
+    or after every run) give sample 0 no token time at all."""
+    if count_at_once is not None:
+        monkeypatch.setattr(runner_module, "_COUNT_TOKENS_AT_ONCE", count_at_once)
+    spec = dataclasses.replace(SPEC, vocab_size=12, eos_token_id=4)
+    workload = best_of_n(1, 20, 60, n=2, vocab_size=12, seed=0)
+    workload = Workload(
+        workload.name, tuple(dataclasses.replace(r, ignore_eos=False) for r in workload.requests)
+    )
+    slow, _ = run(workload, False, spec, num_blocks=64)
+    assert [len(sample) for sample in next(iter(slow.outputs.values()))] == [1, 9]  # the scenario
+    assert len(slow.requests["token_times_s"][0]) == 1
+    assert_identical(workload, min_covered_share=0.3, spec=spec, num_blocks=64)
+
+
 # max_len slab regions of 256 positions: 16 blocks of 16 tokens, a few to an arena.
 SHORT_SPEC = dataclasses.replace(SPEC, max_position_embeddings=256)
 # The engines the property compares: paged (half the examples, each prefix cache), and slab with each

@@ -338,9 +338,10 @@ def allocate_steps_registering(
     lanes,
 ):  # pragma: no cover - compiled
     """``allocate_steps`` with registrations after each step. ``entries`` int64
-    [entries, 4 + bs]: per entry its step, row, position and block, then the block's
-    ``bs`` token ids (one array: each argument costs a type check per call and each
-    conversion a numpy call, and the decode path calls this once per step or span).
+    [entries, 4 + bs] (``bs = multipliers.shape[0]``; the caller keeps that width): per
+    entry its step, row, position and block, then the block's ``bs`` token ids (one
+    array: each argument costs a type check per call and each conversion a numpy call,
+    and the decode path calls this once per step or span).
     After step ``t``'s blocks are taken, entries ``e`` of step ``t`` (steps ascending) are
     keyed and registered in order (``commit_many`` is one step with no blocks taken).
     Entry ``e`` keys its block, block ``position`` of its sequence, from ``entries[e,

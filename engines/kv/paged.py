@@ -438,20 +438,18 @@ class PagedKVManager(SeqTable):
 
     def _commit_rows(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[CommitEntry]:
         """The prefix index's commit entries for ``entries`` (seq id, the tokens it commits):
-        each with its block table (the live int64 array, not a copy) and extra key.
-        ValueError as ``_committing`` on the first bad entry. Pure."""
-        seqs = self._seqs
+        each with its block table (the live int64 array, not a copy) and extra key. Raises
+        as ``_committing`` on the first bad entry. Pure."""
         rows = []
-        for seq_id, token_ids in entries:  # a step's decode commits: no call per entry
-            seq = seqs.get(seq_id)
-            if seq is None or seq.host_blocks is not None or len(token_ids) > seq.num_tokens:
-                seq = self._committing(seq_id, token_ids)  # raises naming it
+        for seq_id, token_ids in entries:
+            seq = self._committing(seq_id, token_ids)
             rows.append((seq_id, token_ids, seq.block_ids, seq.extra_key))
         return rows
 
     def _committing(self, seq_id: int, token_ids: Sequence[int]) -> _Seq:
-        """The resident sequence ``seq_id`` may commit ``token_ids``: ValueError (naming it)
-        when it is not resident or has fewer slots than tokens. Pure."""
+        """The resident sequence ``seq_id`` may commit ``token_ids``; raises naming it
+        otherwise: KeyError when unknown, ValueError when swapped out or with fewer slots
+        than tokens. Pure."""
         seq = self._seqs.get(seq_id)
         if seq is None or seq.host_blocks is not None:
             seq = self._resident(seq_id, "commit")  # raises naming the seq

@@ -284,8 +284,9 @@ class _StepRegistrations:
         """Add ``entries[start:]``, step ``step``'s commits (``seqs``: the index's states),
         up to the first that is no decode commit: one completing exactly the next block of
         a known sequence (counting its entries added before) whose last key is known, from
-        a block in its table; an entry completing no new block is skipped. Returns the
-        position of the entry it stopped at, or ``len(entries)``. Mutates itself only."""
+        a block in its table. Such a sequence's entry completing no new block is skipped;
+        an unknown sequence, or one without a last key, stops it. Returns the position of
+        the entry it stopped at, or ``len(entries)``. Mutates itself only."""
         bs = self.block_size
         rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
         for at in range(start, len(entries)):
@@ -561,7 +562,7 @@ class BlockHashPrefixIndex:
         for step, entries in enumerate(commits):
             at = steps.add_step(step, entries, self._seqs)
             if at < len(entries):
-                self._seq(entries[at][0])  # raises naming an unknown seq
+                self._seq(entries[at][0])  # only to raise, naming an unknown seq
                 return None
         return self._register_in_steps(needs, steps)
 
