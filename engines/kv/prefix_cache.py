@@ -306,11 +306,10 @@ class _StepRegistrations:
             if num_full != first + 1 or first >= len(block_ids):
                 return at
             if row is None:
-                rows[seq_id] = len(states)
+                row = rows[seq_id] = len(states)
                 states.append(state)
                 num_entries.append(1)
                 self.lanes += state.last_key
-                row = len(states) - 1
             else:
                 num_entries[row] += 1
             flat += (step, row, first, block_ids[first])
@@ -538,7 +537,7 @@ class BlockHashPrefixIndex:
             if batch.rows:
                 self._register_in_steps(_NO_NEEDS, batch)
                 batch = _StepRegistrations(bs)
-            self.commit(*entries[at])  # raises naming an unknown seq
+            self.commit(*entries[at])  # a plain commit (KeyError naming an unknown seq)
             at += 1
         if batch.rows:
             self._register_in_steps(_NO_NEEDS, batch)
