@@ -1,22 +1,26 @@
 """Instructions one simulated replay executes, counted by valgrind: a speed figure that
-repeats to the instruction on any machine, where CPU time on a shared one moves by
-±25 % per round and by 3x between days.
+repeats on any machine, where CPU time on a shared one moves by ±25 % per round and by
+3x between days.
 
 Run: python tests/benchmarks/instructions.py [--workload sharegpt|mooncake] [--requests N]
-     [--prefix-cache none block_hash ...] [--jobs J] [--json FILE]
+     [--prefix-cache none block_hash ...] [--processes P] [--jobs J] [--json FILE]
 
-Needs ``valgrind`` (Debian package) on PATH. Per prefix cache it runs the replay process
-under cachegrind (``--cache-sim=no``: instructions only) with ``PYTHONHASHSEED=0`` four
-times: replaying once (a primer: the first valgrind run of a checkout compiles numba's
-functions for valgrind's CPU and caches them), once, twice and three times. Each
-process replays 20 other requests first (so numba's dispatchers are loaded), then
-collects garbage and disables the collector (a collection's cost depends on everything
-allocated before it, which moved single counts by up to 30 %), then replays the workload
-with a fresh engine each time. Start-up, imports and the warm-up cancel in the
-differences: ``2 - 1`` and ``3 - 2`` are one warm replay each. Those two differ by about
-1.5 % (a process's second and third replays do not find the same allocator and
-dictionary state), which is this method's resolution; the primer's count beside the
-second process's says whether numba compiled in it.
+Needs ``valgrind`` (Debian package) on PATH. Per prefix cache it runs ``--processes``
+replay processes (default 2) under callgrind with ``PYTHONHASHSEED=0``, counting only the
+measured replay: callgrind starts with collection off (``--collect-atstart=no``) and
+collects inside one C function, ``PyRun_SimpleStringFlags`` (``--toggle-collect``), in
+which the process runs the measured replay and which nothing else calls. (The process
+calls ``PyRun_SimpleString`` through ctypes, which calls it: callgrind does not see a
+function that libffi jumps into as entered.)
+Each process first replays 20 other requests (numba's dispatchers load) and the workload
+once, uncounted (numba compiles there if its cache is cold, for valgrind's CPU; caches
+and interned strings settle); then it collects garbage and disables the collector (a
+collection's cost depends on everything allocated before it) and replays the workload
+with a fresh engine inside the counted call. Start-up, imports and warm-ups are not
+counted, so there is nothing to subtract: one process gives one replay's count. Two
+processes of one checkout agree within a few hundredths of a percent (addresses differ
+between processes, and id-keyed dicts lay out with them), the method's resolution; two
+checkouts in different directories differ by a little more (path strings).
 
 Instructions are not time: cache misses and branch mispredictions make some far dearer
 than others (prefix caching at 0 % hits adds about 15 % instructions but 25-35 % CPU
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import ctypes
 import gc
 import json
 import os
@@ -39,42 +44,56 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 WARMUP_REQUESTS = 20
-NUM_PROCESS_REPLAYS = (1, 1, 2, 3)  # the first is the primer
-_I_REFS = re.compile(r"^==\d+== I\s+refs:\s+([\d,]+)\s*$", re.MULTILINE)
+# The C function callgrind collects in, and the one the process calls (through ctypes)
+# to enter it: the measured replay runs inside (see the module docstring). Both are
+# exported by every CPython build (a stripped one keeps them: the C API is dynamic), and
+# nothing in a replay calls them.
+COUNTED_FUNCTION = "PyRun_SimpleStringFlags"
+_ENTRY_FUNCTION = "PyRun_SimpleString"  # the stable ABI's PyRun_SimpleStringFlags(code, NULL)
+_MEASURED_NAME = "_kvbench_measured_replay"  # what the counted call runs, in __main__
+_COLLECTED = re.compile(r"^==\d+== Collected\s*:\s*(\d+)\s*$", re.MULTILINE)
 _STEPS_LINE = "replay steps "
+_NUM_REPLAYS = 2  # per process: the uncounted one, then the counted one
 
 
 @dataclass(frozen=True)
 class ReplayInstructions:
-    """One prefix cache's counts: each process's total instructions (``num_replays``
-    replays each, the primer first) and the steps each replay took."""
+    """One prefix cache's counts: the measured replay's instructions in each process, and
+    the steps each replay took."""
 
     prefix_cache: str
-    num_replays: tuple[int, ...]
     instructions: tuple[int, ...]
     num_steps: int
 
     @property
-    def per_replay(self) -> tuple[int, int]:
-        """Instructions of one warm replay, twice: processes 2 - 1 and 3 - 2."""
-        by_count = dict(zip(self.num_replays[1:], self.instructions[1:]))
-        return by_count[2] - by_count[1], by_count[3] - by_count[2]
+    def low_high(self) -> tuple[int, int]:
+        """The smallest and largest count over the processes."""
+        return min(self.instructions), max(self.instructions)
 
     @property
-    def primer_excess(self) -> float:
-        """The primer's count over the same process's second run, less 1 (large: numba
-        compiled in the primer)."""
-        return self.instructions[0] / self.instructions[1] - 1.0
+    def spread(self) -> float:
+        """The largest count over the smallest, less 1: the processes' disagreement."""
+        low, high = self.low_high
+        return high / low - 1.0
 
 
 def parse_instructions(stderr: str) -> int:
-    """The ``I refs`` total of a cachegrind run's stderr; ValueError naming what was
-    missing when there is none (valgrind failed, or the program did)."""
-    found = _I_REFS.findall(stderr)
+    """The instructions callgrind collected (its ``Collected :`` line) in a run's stderr;
+    ValueError naming what was wrong when there is none (valgrind failed, or the program
+    did) or it is 0 (the counted call never ran)."""
+    found = _COLLECTED.findall(stderr)
+    tail = "\n".join(stderr.strip().splitlines()[-15:])
     if len(found) != 1:
-        tail = "\n".join(stderr.strip().splitlines()[-15:])
-        raise ValueError(f"cachegrind: expected one 'I refs:' line, found {len(found)}; stderr ends:\n{tail}")
-    return int(found[0].replace(",", ""))
+        raise ValueError(
+            f"callgrind: expected one 'Collected :' line, found {len(found)}; stderr ends:\n{tail}"
+        )
+    collected = int(found[0])
+    if collected == 0:
+        raise ValueError(
+            f"callgrind collected 0 instructions: the measured replay did not run inside "
+            f"{COUNTED_FUNCTION}; stderr ends:\n{tail}"
+        )
+    return collected
 
 
 def parse_steps(stdout: str, num_replays: int) -> int:
@@ -103,32 +122,45 @@ def _context_and_workload(workload: str, num_requests: int):
     return ctx, trace
 
 
-def replay_in_process(workload: str, num_requests: int, prefix_cache: str, num_replays: int) -> None:
-    """The measured process: warm up, stop the garbage collector, replay ``num_replays``
-    times (a fresh engine each), printing each replay's step count."""
+def replay_in_process(workload: str, num_requests: int, prefix_cache: str) -> None:
+    """The measured process: warm up, replay once uncounted, stop the garbage collector,
+    then replay inside the counted call (``COUNTED_FUNCTION``), each replay on a fresh
+    engine and printing its step count. Raises RuntimeError when the counted replay
+    failed (its traceback printed above)."""
     from sim_setup import replay_all_answered, sharegpt_like, sim_engine
 
     ctx, requests = _context_and_workload(workload, num_requests)
     warmup = sharegpt_like(WARMUP_REQUESTS, ctx.spec.vocab_size, seed=1)
     replay_all_answered(sim_engine(ctx, prefix_cache=prefix_cache), warmup)
-    gc.collect()
-    gc.disable()
-    for _ in range(num_replays):
+
+    def replay() -> None:
         raw = replay_all_answered(sim_engine(ctx, prefix_cache=prefix_cache), requests)
         print(f"{_STEPS_LINE}{raw.num_steps}", flush=True)
 
+    replay()
+    gc.collect()
+    gc.disable()
+    # The counted call runs a line of code in __main__'s namespace: the replay goes there.
+    setattr(sys.modules["__main__"], _MEASURED_NAME, replay)
+    entry = ctypes.pythonapi[_ENTRY_FUNCTION]
+    entry.argtypes = (ctypes.c_char_p,)
+    entry.restype = ctypes.c_int
+    if entry(f"{_MEASURED_NAME}()\n".encode()) != 0:
+        raise RuntimeError("the counted replay failed (its traceback is above)")
 
-def count(workload: str, num_requests: int, prefix_cache: str, num_replays: int) -> tuple[int, int]:
-    """Run one measured process under cachegrind: (instructions, steps per replay)."""
+
+def count(workload: str, num_requests: int, prefix_cache: str) -> tuple[int, int]:
+    """Run one measured process under callgrind: (the counted replay's instructions, steps
+    per replay)."""
     command = [
         "valgrind",
-        "--tool=cachegrind",
-        "--cache-sim=no",
-        "--cachegrind-out-file=/dev/null",
+        "--tool=callgrind",
+        "--collect-atstart=no",
+        f"--toggle-collect={COUNTED_FUNCTION}",
+        "--callgrind-out-file=/dev/null",
         sys.executable,
         __file__,
         "--inner",
-        str(num_replays),
         "--workload",
         workload,
         "--requests",
@@ -140,22 +172,21 @@ def count(workload: str, num_requests: int, prefix_cache: str, num_replays: int)
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return parse_instructions(done.stderr), parse_steps(done.stdout, num_replays)
+    return parse_instructions(done.stderr), parse_steps(done.stdout, _NUM_REPLAYS)
 
 
-def measure(workload: str, num_requests: int, prefix_cache: str, jobs: int) -> ReplayInstructions:
-    """The primer alone (it may compile), then the three measured processes, ``jobs`` at a
-    time (instruction counts do not depend on what else runs)."""
-    first = count(workload, num_requests, prefix_cache, NUM_PROCESS_REPLAYS[0])
+def measure(
+    workload: str, num_requests: int, prefix_cache: str, processes: int, jobs: int
+) -> ReplayInstructions:
+    """``processes`` measured processes, ``jobs`` at a time (instruction counts do not
+    depend on what else runs; a process that compiles numba does so before its counted
+    replay)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        rest = list(
-            pool.map(lambda n: count(workload, num_requests, prefix_cache, n), NUM_PROCESS_REPLAYS[1:])
-        )
-    results = [first, *rest]
+        results = list(pool.map(lambda _: count(workload, num_requests, prefix_cache), range(processes)))
     steps = {num_steps for _, num_steps in results}
     if len(steps) != 1:
         raise ValueError(f"{prefix_cache}: processes took different step counts {sorted(steps)}")
-    return ReplayInstructions(prefix_cache, NUM_PROCESS_REPLAYS, tuple(i for i, _ in results), steps.pop())
+    return ReplayInstructions(prefix_cache, tuple(i for i, _ in results), steps.pop())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,33 +194,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", choices=("sharegpt", "mooncake"), default="sharegpt")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--prefix-cache", nargs="+", default=["none", "block_hash"])
+    parser.add_argument("--processes", type=int, default=2, help="measured processes per prefix cache")
     parser.add_argument("--jobs", type=int, default=2, help="measured processes at a time")
     parser.add_argument("--json", type=Path, help="write the counts here")
-    parser.add_argument("--inner", type=int, help=argparse.SUPPRESS)  # the measured process
+    parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the measured process
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    if args.inner is not None:
-        replay_in_process(args.workload, args.requests, args.prefix_cache[0], args.inner)
+    if args.inner:
+        replay_in_process(args.workload, args.requests, args.prefix_cache[0])
         return 0
-    if args.requests <= 0 or args.jobs <= 0:
-        parser.error("--requests and --jobs: must be > 0")
+    if args.requests <= 0 or args.processes <= 0 or args.jobs <= 0:
+        parser.error("--requests, --processes and --jobs: must be > 0")
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not on PATH (Debian: apt-get install valgrind)")
-    results = [measure(args.workload, args.requests, cache, args.jobs) for cache in args.prefix_cache]
+    results = [
+        measure(args.workload, args.requests, cache, args.processes, args.jobs) for cache in args.prefix_cache
+    ]
     base = results[0]
     print(
-        f"{args.workload}, {args.requests:,} requests: instructions of one warm replay (processes 2-1, 3-2)"
+        f"{args.workload}, {args.requests:,} requests: instructions of one warm replay "
+        f"(low / high over {args.processes} processes)"
     )
     for result in results:
-        a, b = result.per_replay
-        ratio = f"  x{a / base.per_replay[0]:.3f}, x{b / base.per_replay[1]:.3f} of {base.prefix_cache}"
+        low, high = result.low_high
+        base_low, base_high = base.low_high
+        ratio = f"; x{low / base_low:.4f} / x{high / base_high:.4f} of {base.prefix_cache}"
         print(
-            f"  {result.prefix_cache:>10}: {a / 1e6:,.0f} M, {b / 1e6:,.0f} M ({b / a - 1:+.1%} apart)"
-            f"{ratio if result is not base else ''}; {result.num_steps:,} steps; "
-            f"primer {result.primer_excess:+.1%} over a warm process"
+            f"  {result.prefix_cache:>10}: {low:,} / {high:,} ({result.spread:+.3%} apart)"
+            f"{ratio if result is not base else ''}; {result.num_steps:,} steps"
         )
     if args.json is not None:
-        records = [asdict(r) | {"per_replay": r.per_replay} for r in results]
+        records = [asdict(r) | {"low_high": r.low_high, "spread": r.spread} for r in results]
         payload = {"workload": args.workload, "num_requests": args.requests, "results": records}
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(json.dumps(payload, indent=2) + "\n")
