@@ -198,8 +198,11 @@ class BlockPool:
             raise MemoryError(f"BlockPool: {num_blocks} blocks requested, {self.num_free} free")
         if num_blocks <= 0:
             return np.empty(0, dtype=np.int64)
-        out, reused = native.allocate_many(self._st, self._counts, num_blocks)
-        self.tell_reused(reused)
+        out = np.empty(num_blocks, dtype=np.int64)
+        reused = np.empty(num_blocks, dtype=np.int64)
+        num_reused = native.allocate_into(self._st, self._counts, out, reused)
+        if num_reused:
+            self.tell_reused(reused[:num_reused])
         return out
 
     def allocate_steps(self, needs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -211,8 +214,10 @@ class BlockPool:
         total = int(needs.sum())
         if total > self._counts[NUM_FREE]:
             raise MemoryError(f"BlockPool: {total} blocks requested, {self.num_free} free")
-        out, reused, reused_per_step = native.allocate_steps(self._st, self._counts, needs)
-        self.tell_reused(reused)
+        out, reused, reused_per_step = native.step_buffers(total, len(needs))
+        num_reused = native.allocate_steps_into(self._st, self._counts, needs, out, reused, reused_per_step)
+        if num_reused:
+            self.tell_reused(reused[:num_reused])
         return out, reused_per_step
 
     def tell_reused(self, reused: np.ndarray) -> None:

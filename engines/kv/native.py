@@ -41,19 +41,18 @@ EMPTY = -1
 
 # ---------------------------------------------------------------------- block pool
 @njit(cache=True, nogil=True)
-def allocate_many(st, counts, num_blocks):  # pragma: no cover - compiled
-    """Pop ``num_blocks`` blocks from the free list's head (the caller checked there are
-    enough): ref count 1, cached flag cleared. Returns (allocated int64 [num_blocks], the
-    cached ones among them in order int64 [k])."""
-    out = np.empty(num_blocks, dtype=np.int64)
-    reused = np.empty(num_blocks, dtype=np.int64)
-    k = _pop(st, counts, num_blocks, out, 0, reused, 0)
-    return out, reused[:k]
+def allocate_into(st, counts, out, reused):  # pragma: no cover - compiled
+    """Pop ``out.shape[0]`` blocks from the free list's head (the caller checked there are
+    enough) into ``out`` (int64): ref count 1, cached flag cleared. The cached ones among
+    them go, in order, to the head of ``reused`` (int64, as long as ``out``); returns how
+    many. The caller allocates both arrays: an array numba allocates costs more to hand
+    back to Python (~1.5 us) than a small allocation's whole pass."""
+    return _pop(st, counts, out.shape[0], out, 0, reused, 0)
 
 
 @njit(cache=True, nogil=True)
 def _pop(st, counts, num_blocks, out, at, reused, reused_at):  # pragma: no cover - compiled
-    """``allocate_many``'s body: the blocks go to ``out[at:]``, the cached ones among them
+    """``allocate_into``'s body: the blocks go to ``out[at:]``, the cached ones among them
     to ``reused[reused_at:]``; returns how many were cached."""
     sentinel = st.shape[1] - 1
     k = 0
@@ -73,13 +72,24 @@ def _pop(st, counts, num_blocks, out, at, reused, reused_at):  # pragma: no cove
     return k
 
 
+def step_buffers(num_blocks: int, num_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The output arrays of ``allocate_steps_into`` (and ``allocate_steps_registering``)
+    for ``num_blocks`` blocks over ``num_steps`` steps, unfilled: blocks and reused int64
+    [num_blocks], reused per step int64 [num_steps]. Pure."""
+    return (
+        np.empty(num_blocks, dtype=np.int64),
+        np.empty(num_blocks, dtype=np.int64),
+        np.empty(num_steps, dtype=np.int64),
+    )
+
+
 @njit(cache=True, nogil=True)
-def allocate_steps(st, counts, needs):  # pragma: no cover - compiled
-    """``allocate_many(needs[t])`` for each step ``t`` in turn (the caller checked that
-    ``sum(needs)`` blocks are free). Returns (the blocks in order int64 [sum(needs)],
-    the cached ones among them int64 [k], how many of each step's were cached int64
-    [steps])."""
-    out, reused, reused_per_step = _step_buffers(needs)
+def allocate_steps_into(st, counts, needs, out, reused, reused_per_step):  # pragma: no cover - compiled
+    """``allocate_into`` ``needs[t]`` blocks for each step ``t`` in turn (the caller checked
+    that ``sum(needs)`` blocks are free): the blocks into ``out`` (int64 [sum(needs)]), in
+    order; the cached ones among them, in order, to the head of ``reused`` (int64, as long
+    as ``out``); how many of each step's were cached to ``reused_per_step`` (int64
+    [steps]). Returns how many were cached in all."""
     at = 0
     k = 0
     for t in range(needs.shape[0]):
@@ -87,26 +97,12 @@ def allocate_steps(st, counts, needs):  # pragma: no cover - compiled
         reused_per_step[t] = n
         at += needs[t]
         k += n
-    return out, reused[:k], reused_per_step
-
-
-@njit(cache=True, nogil=True)
-def _step_buffers(needs):  # pragma: no cover - compiled
-    """``allocate_steps``' outputs, unfilled: blocks and reused int64 [sum(needs)], the
-    per-step reused counts int64 [steps] (zeros)."""
-    total = 0
-    for t in range(needs.shape[0]):
-        total += needs[t]
-    return (
-        np.empty(total, dtype=np.int64),
-        np.empty(total, dtype=np.int64),
-        np.zeros(needs.shape[0], dtype=np.int64),
-    )
+    return k
 
 
 @njit(cache=True, nogil=True)
 def allocate_one(st, counts):  # pragma: no cover - compiled
-    """``allocate_many(st, counts, 1)`` without arrays (the caller checked a block is
+    """``allocate_into`` of one block without arrays (the caller checked a block is
     free): returns (the block, whether it was cached)."""
     sentinel = st.shape[1] - 1
     b = st[NEXT, sentinel]
@@ -328,6 +324,9 @@ def allocate_steps_registering(
     st,
     counts,
     needs,
+    out,
+    reused,
+    reused_per_step,
     keys,
     vals,
     used,
@@ -337,7 +336,8 @@ def allocate_steps_registering(
     entries,
     lanes,
 ):  # pragma: no cover - compiled
-    """``allocate_steps`` with registrations after each step. ``entries`` int64
+    """``allocate_steps_into`` (``needs``, ``out``, ``reused``, ``reused_per_step`` as
+    there) with registrations after each step. ``entries`` int64
     [entries, 4 + bs] (``bs = multipliers.shape[0]``; the caller keeps that width): per
     entry its step, row, position and block, then the block's ``bs`` token ids (one
     array: each argument costs a type check per call and each conversion a numpy call,
@@ -349,10 +349,9 @@ def allocate_steps_registering(
     its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated as its
     entries are keyed, so a sequence's entries chain in order and each row ends at its
     last entry's key); each step's entries are then registered by one ``register_run``
-    call, in order. Returns ``allocate_steps``' three arrays and how many blocks were
-    registered."""
+    call, in order. Returns (how many of the blocks taken were cached, how many blocks were
+    registered)."""
     num_entries = entries.shape[0]
-    out, reused, reused_per_step = _step_buffers(needs)
     entry_keys = np.empty((2, num_entries), dtype=np.uint64)  # lanes 0 and 1 of each entry's key
     blocks = np.ascontiguousarray(entries[:, 3])
     at = 0
@@ -394,7 +393,7 @@ def allocate_steps_registering(
                 blocks[first:e],
                 first,
             )
-    return out, reused[:k], reused_per_step, registered
+    return k, registered
 
 
 @njit(cache=True, nogil=True)

@@ -535,12 +535,12 @@ class BlockHashPrefixIndex:
             if at == len(entries):
                 break
             if batch.rows:
-                self._register_in_steps(_NO_NEEDS, batch)
+                self._register_in_steps(_NO_NEEDS, 0, batch)
                 batch = _StepRegistrations(bs)
             self.commit(*entries[at])  # a plain commit (KeyError naming an unknown seq)
             at += 1
         if batch.rows:
-            self._register_in_steps(_NO_NEEDS, batch)
+            self._register_in_steps(_NO_NEEDS, 0, batch)
 
     def allocate_decode_steps(
         self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
@@ -553,9 +553,10 @@ class BlockHashPrefixIndex:
             raise ValueError(
                 "BlockHashPrefixIndex.allocate_decode_steps: not the pool this index is bound to"
             )
-        if int(needs.sum()) > pool.num_free:
+        num_blocks = int(needs.sum())
+        if num_blocks > pool.num_free:
             raise MemoryError(
-                f"BlockHashPrefixIndex.allocate_decode_steps: {int(needs.sum())} blocks, {pool.num_free} free"
+                f"BlockHashPrefixIndex.allocate_decode_steps: {num_blocks} blocks, {pool.num_free} free"
             )
         steps = _StepRegistrations(self._block_size)
         for step, entries in enumerate(commits):
@@ -563,13 +564,13 @@ class BlockHashPrefixIndex:
             if at < len(entries):
                 self._seq(entries[at][0])  # only to raise, naming an unknown seq
                 return None
-        return self._register_in_steps(needs, steps)
+        return self._register_in_steps(needs, num_blocks, steps)
 
     def _register_in_steps(
-        self, needs: np.ndarray, steps: _StepRegistrations
+        self, needs: np.ndarray, num_blocks: int, steps: _StepRegistrations
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Take ``needs[t]`` blocks per step ``t`` (int64 [steps]) and key and register
-        ``steps``' entries after their steps, in one compiled pass
+        """Take ``needs[t]`` blocks per step ``t`` (int64 [steps], ``num_blocks`` in all)
+        and key and register ``steps``' entries after their steps, in one compiled pass
         (``native.allocate_steps_registering``); the states count the blocks and take
         their last keys (the chains are left behind: see ``BlockKeyChain``), and the
         pool's reuse listener hears of the cached blocks taken. Returns
@@ -578,10 +579,14 @@ class BlockHashPrefixIndex:
         self._version += 1
         # uint64 [rows, 2]: each row's last key, as of its last entry once the call returns.
         lanes = np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2)
-        taken, reused, reused_per_step, registered = native.allocate_steps_registering(
+        taken, reused, reused_per_step = native.step_buffers(num_blocks, len(needs))
+        num_reused, registered = native.allocate_steps_registering(
             pool.state,
             pool.counts,
             needs,
+            taken,
+            reused,
+            reused_per_step,
             self._keys,
             self._vals,
             self._used,
@@ -595,7 +600,8 @@ class BlockHashPrefixIndex:
         for state, num_entries, (lane_0, lane_1) in zip(steps.states, steps.num_entries, lanes.tolist()):
             state.num_blocks += num_entries
             state.last_key = (lane_0, lane_1)
-        pool.tell_reused(reused)  # the drops, as the pool's allocations would have told
+        if num_reused:
+            pool.tell_reused(reused[:num_reused])  # the drops, as the pool's allocations would have told
         return taken, reused_per_step
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:

@@ -1105,7 +1105,7 @@ class Scheduler:
             tokens = seq.token_ids
             end = start + num_tokens
             seq_len = len(tokens)
-            is_decode = is_decode_chunk(seq, start, num_tokens)
+            is_decode = num_tokens == 1 and start == seq_len - 1 and start >= seq.num_prompt_tokens
             if is_decode:
                 num_decode += 1
             else:
