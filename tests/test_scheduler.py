@@ -328,3 +328,43 @@ def test_chunks_without_contents_schedule_the_same_tokens_without_tables():
     ]
     assert all(chunk[4] == () for step in without for chunk in step)
     assert any(len(chunk[4]) > 1 for step in with_contents for chunk in step)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt_lens=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    max_new=st.integers(1, 12),
+    num_blocks=st.integers(14, 40),  # 56+ slots: every request fits alone (none rejected)
+    budget=st.integers(1, 24),
+    preemption=st.sampled_from(["recompute", "swap"]),
+)
+def test_every_chunk_is_a_decode_exactly_when_is_decode_chunk_says(
+    prompt_lens, max_new, num_blocks, budget, preemption
+):
+    """``_finalize_pieces`` writes ``is_decode_chunk``'s rule out inline (a call per
+    running sequence per step cost ~3 % of a step): every chunk's ``is_decode`` equals
+    the rule asked of its sequence as planned, through prefill chunks, prompts' last
+    tokens, decodes and recomputation after preemption."""
+    from kvbench.engines.sched.scheduler import is_decode_chunk
+
+    kv = PagedKVManager(num_blocks, 4, 16, NullPrefixIndex(), num_host_blocks=num_blocks)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, preemption=preemption)
+    scheduler = Scheduler(kv, config, eos_token_id=2)
+    for i, length in enumerate(prompt_lens):
+        scheduler.add(req(f"r{i}", range(3, 3 + length), max_new))
+    num_decodes = 0
+    for _ in range(2000):
+        if not (scheduler.running or scheduler.waiting or scheduler.swapped):
+            break
+        output = scheduler.schedule()
+        seqs = {seq.seq_id: seq for group in scheduler.running for seq in group.seqs}
+        for chunk in output.chunks:
+            rule = is_decode_chunk(seqs[chunk.seq_id], chunk.start_pos, len(chunk.token_ids))
+            assert chunk.is_decode == rule, chunk
+            num_decodes += chunk.is_decode
+        assert output.num_decode_tokens == sum(chunk.is_decode for chunk in output.chunks)
+        for group, seq in scheduler.complete_step():
+            scheduler.append_token(group, seq, 7)
+        scheduler.pop_finished()
+    assert not (scheduler.running or scheduler.waiting or scheduler.swapped)
+    assert max_new == 1 or num_decodes > 0

@@ -1105,6 +1105,8 @@ class Scheduler:
             tokens = seq.token_ids
             end = start + num_tokens
             seq_len = len(tokens)
+            # is_decode_chunk(seq, start, num_tokens) written out: a call per running
+            # sequence per step (tests/test_scheduler.py checks every chunk against it).
             is_decode = num_tokens == 1 and start == seq_len - 1 and start >= seq.num_prompt_tokens
             if is_decode:
                 num_decode += 1
