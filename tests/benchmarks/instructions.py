@@ -18,9 +18,10 @@ and interned strings settle); then it collects garbage and disables the collecto
 collection's cost depends on everything allocated before it) and replays the workload
 with a fresh engine inside the counted call. Start-up, imports and warm-ups are not
 counted, so there is nothing to subtract: one process gives one replay's count. Two
-processes of one checkout agree within a few hundredths of a percent (addresses differ
+processes of one checkout agree to the instruction or nearly (addresses can differ
 between processes, and id-keyed dicts lay out with them), the method's resolution; two
-checkouts in different directories differ by a little more (path strings).
+checkouts in different directories have differed by up to 0.2 % for the same code (path
+strings).
 
 Instructions are not time: cache misses and branch mispredictions make some far dearer
 than others (prefix caching at 0 % hits adds about 15 % instructions but 25-35 % CPU
