@@ -61,10 +61,7 @@ def test_the_measured_process_replays_the_workload_twice() -> None:
 def test_callgrind_counts_the_replay_alone() -> None:
     """The command the tool builds runs under valgrind, and callgrind counts the replay
     only: tens of millions of instructions for 5 requests, where start-up alone (imports
-    of Python's, numpy's, pandas' and numba's modules) takes billions; 20 requests take
-    more."""
-    small, steps = instructions.count("sharegpt", 5, "none")
+    of Python's, numpy's, pandas' and numba's modules) takes billions."""
+    counted, steps = instructions.count("sharegpt", 5, "none")
     assert steps > 5
-    assert 1_000_000 < small < 1_000_000_000
-    larger, _ = instructions.count("sharegpt", 20, "none")
-    assert larger > small
+    assert 1_000_000 < counted < 1_000_000_000

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.native import PREV
 
@@ -274,3 +276,21 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_the_compiled_step_allocations_refuse_buffers_that_do_not_fit_changing_nothing():
+    """The compiled loops write their output arrays unchecked: a caller's buffer shorter
+    (or longer) than the blocks asked for is refused before any block moves."""
+    pool = BlockPool(8)
+    needs = np.array([2, 1], dtype=np.int64)
+    before = (pool.state.copy(), pool.counts.copy())
+    for num_blocks, num_steps in ((2, 2), (4, 2), (3, 1)):
+        out, reused, per_step = native.step_buffers(num_blocks, num_steps)
+        with pytest.raises(ValueError, match="do not fit needs"):
+            native.allocate_steps_into(pool.state, pool.counts, needs, out, reused, per_step)
+    with pytest.raises(ValueError, match="reused is shorter"):
+        native.allocate_into(pool.state, pool.counts, np.empty(3, np.int64), np.empty(2, np.int64))
+    assert np.array_equal(pool.state, before[0]) and np.array_equal(pool.counts, before[1])
+    out, reused, per_step = native.step_buffers(3, 2)
+    assert native.allocate_steps_into(pool.state, pool.counts, needs, out, reused, per_step) == 0
+    assert out.tolist() == [0, 1, 2] and per_step.tolist() == [0, 0] and pool.num_free == 5

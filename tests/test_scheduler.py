@@ -15,7 +15,7 @@ from shadow_executor import SPEC, make_engine
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import NullPrefixIndex
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sched.scheduler import Scheduler, SchedulerConfig
+from kvbench.engines.sched.scheduler import Scheduler, SchedulerConfig, is_decode_chunk
 from kvbench.types import Request
 
 
@@ -345,8 +345,6 @@ def test_every_chunk_is_a_decode_exactly_when_is_decode_chunk_says(
     running sequence per step cost ~3 % of a step): every chunk's ``is_decode`` equals
     the rule asked of its sequence as planned, through prefill chunks, prompts' last
     tokens, decodes and recomputation after preemption."""
-    from kvbench.engines.sched.scheduler import is_decode_chunk
-
     kv = PagedKVManager(num_blocks, 4, 16, NullPrefixIndex(), num_host_blocks=num_blocks)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, preemption=preemption)
     scheduler = Scheduler(kv, config, eos_token_id=2)

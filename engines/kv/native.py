@@ -46,7 +46,10 @@ def allocate_into(st, counts, out, reused):  # pragma: no cover - compiled
     enough) into ``out`` (int64): ref count 1, cached flag cleared. The cached ones among
     them go, in order, to the head of ``reused`` (int64, as long as ``out``); returns how
     many. The caller allocates both arrays: an array numba allocates costs more to hand
-    back to Python (~1.5 us) than a small allocation's whole pass."""
+    back to Python (~1.5 us) than a small allocation's whole pass. Raises ValueError,
+    changing nothing, when ``reused`` is shorter than ``out``."""
+    if reused.shape[0] < out.shape[0]:
+        raise ValueError("allocate_into: reused is shorter than out")
     return _pop(st, counts, out.shape[0], out, 0, reused, 0)
 
 
@@ -84,12 +87,25 @@ def step_buffers(num_blocks: int, num_steps: int) -> tuple[np.ndarray, np.ndarra
 
 
 @njit(cache=True, nogil=True)
+def _check_step_buffers(needs, out, reused, reused_per_step):  # pragma: no cover - compiled
+    """Raise ValueError unless ``out`` and ``reused`` hold ``sum(needs)`` blocks and
+    ``reused_per_step`` one count per step: the loops write them unchecked."""
+    total = 0
+    for t in range(needs.shape[0]):
+        total += needs[t]
+    if out.shape[0] != total or reused.shape[0] < total or reused_per_step.shape[0] != needs.shape[0]:
+        raise ValueError("step buffers: out, reused or reused_per_step do not fit needs")
+
+
+@njit(cache=True, nogil=True)
 def allocate_steps_into(st, counts, needs, out, reused, reused_per_step):  # pragma: no cover - compiled
     """``allocate_into`` ``needs[t]`` blocks for each step ``t`` in turn (the caller checked
     that ``sum(needs)`` blocks are free): the blocks into ``out`` (int64 [sum(needs)]), in
     order; the cached ones among them, in order, to the head of ``reused`` (int64, as long
     as ``out``); how many of each step's were cached to ``reused_per_step`` (int64
-    [steps]). Returns how many were cached in all."""
+    [steps]). Returns how many were cached in all. Raises ValueError, changing nothing,
+    when an output is shorter than that (``_check_step_buffers``)."""
+    _check_step_buffers(needs, out, reused, reused_per_step)
     at = 0
     k = 0
     for t in range(needs.shape[0]):
@@ -350,7 +366,9 @@ def allocate_steps_registering(
     entries are keyed, so a sequence's entries chain in order and each row ends at its
     last entry's key); each step's entries are then registered by one ``register_run``
     call, in order. Returns (how many of the blocks taken were cached, how many blocks were
-    registered)."""
+    registered). Raises ValueError, changing nothing, when an output does not fit
+    ``needs`` (``_check_step_buffers``)."""
+    _check_step_buffers(needs, out, reused, reused_per_step)
     num_entries = entries.shape[0]
     entry_keys = np.empty((2, num_entries), dtype=np.uint64)  # lanes 0 and 1 of each entry's key
     blocks = np.ascontiguousarray(entries[:, 3])

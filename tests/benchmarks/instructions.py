@@ -17,11 +17,12 @@ once, uncounted (numba compiles there if its cache is cold, for valgrind's CPU; 
 and interned strings settle); then it collects garbage and disables the collector (a
 collection's cost depends on everything allocated before it) and replays the workload
 with a fresh engine inside the counted call. Start-up, imports and warm-ups are not
-counted, so there is nothing to subtract: one process gives one replay's count. Two
-processes of one checkout agree to the instruction or nearly (addresses can differ
-between processes, and id-keyed dicts lay out with them), the method's resolution; two
-checkouts in different directories have differed by up to 0.2 % for the same code (path
-strings).
+counted, so there is nothing to subtract: one process gives one replay's count (plus a
+fixed ~0.1 M for compiling the one-line call). Processes of one checkout with numba's
+cache warm agree to the instruction; a process that compiled numba during its warm-up
+reads about 0.05 % high, so the first process runs alone (after editing compiled code it
+is the one that compiles) and the others after it. Two checkouts in different
+directories have differed by up to 0.2 % for the same code (path strings).
 
 Instructions are not time: cache misses and branch mispredictions make some far dearer
 than others (prefix caching at 0 % hits adds about 15 % instructions but 25-35 % CPU
@@ -126,8 +127,9 @@ def _context_and_workload(workload: str, num_requests: int):
 def replay_in_process(workload: str, num_requests: int, prefix_cache: str) -> None:
     """The measured process: warm up, replay once uncounted, stop the garbage collector,
     then replay inside the counted call (``COUNTED_FUNCTION``), each replay on a fresh
-    engine and printing its step count. Raises RuntimeError when the counted replay
-    failed (its traceback printed above)."""
+    engine and printing its step count. Mutates ``__main__`` (binds the replay as
+    ``_MEASURED_NAME``) and leaves the collector disabled. Raises RuntimeError when the
+    counted replay failed (its traceback printed above)."""
     from sim_setup import replay_all_answered, sharegpt_like, sim_engine
 
     ctx, requests = _context_and_workload(workload, num_requests)
@@ -179,11 +181,12 @@ def count(workload: str, num_requests: int, prefix_cache: str) -> tuple[int, int
 def measure(
     workload: str, num_requests: int, prefix_cache: str, processes: int, jobs: int
 ) -> ReplayInstructions:
-    """``processes`` measured processes, ``jobs`` at a time (instruction counts do not
-    depend on what else runs; a process that compiles numba does so before its counted
-    replay)."""
+    """``processes`` measured processes: the first alone (it compiles numba if the cache
+    is cold, and reads about 0.05 % high then), the rest ``jobs`` at a time (instruction
+    counts do not depend on what else runs)."""
+    results = [count(workload, num_requests, prefix_cache)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda _: count(workload, num_requests, prefix_cache), range(processes)))
+        results += pool.map(lambda _: count(workload, num_requests, prefix_cache), range(processes - 1))
     steps = {num_steps for _, num_steps in results}
     if len(steps) != 1:
         raise ValueError(f"{prefix_cache}: processes took different step counts {sorted(steps)}")
