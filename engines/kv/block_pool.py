@@ -201,8 +201,7 @@ class BlockPool:
         out = np.empty(num_blocks, dtype=np.int64)
         reused = np.empty(num_blocks, dtype=np.int64)
         num_reused = native.allocate_into(self._st, self._counts, out, reused)
-        if num_reused:
-            self.tell_reused(reused[:num_reused])
+        self.tell_reused(reused[:num_reused])
         return out
 
     def allocate_steps(self, needs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -216,8 +215,7 @@ class BlockPool:
             raise MemoryError(f"BlockPool: {total} blocks requested, {self.num_free} free")
         out, reused, reused_per_step = native.step_buffers(total, len(needs))
         num_reused = native.allocate_steps_into(self._st, self._counts, needs, out, reused, reused_per_step)
-        if num_reused:
-            self.tell_reused(reused[:num_reused])
+        self.tell_reused(reused[:num_reused])
         return out, reused_per_step
 
     def tell_reused(self, reused: np.ndarray) -> None:

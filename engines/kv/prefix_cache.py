@@ -600,8 +600,7 @@ class BlockHashPrefixIndex:
         for state, num_entries, (lane_0, lane_1) in zip(steps.states, steps.num_entries, lanes.tolist()):
             state.num_blocks += num_entries
             state.last_key = (lane_0, lane_1)
-        if num_reused:
-            pool.tell_reused(reused[:num_reused])  # the drops, as the pool's allocations would have told
+        pool.tell_reused(reused[:num_reused])  # the drops, as the pool's allocations would have told
         return taken, reused_per_step
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
