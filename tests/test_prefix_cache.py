@@ -335,16 +335,41 @@ def test_array_token_ids_read_like_the_list(prompt, appended, probes, cuts):
         copy.append(1)
         assert ids == reference and copy == reference + [1] and copy != ids
     assert TokenPrefix(ids, len(reference)) == reference and ids == TokenPrefix(reference, len(reference))
-    # id_list (the registrations' block slices) equals slicing, for every form and range.
+    # id_list (the registrations' block slices) equals slicing, for every form and range:
+    # the usual types by their exact-type paths, subclasses and others by the plain one.
     n = len(reference)
     keyed = KeyedTokenIds(reference)
+    forms = (ids, keyed, reference, _SubList(reference), _SubArrayIds(ids.array, ids.tail))
     for start in range(n + 1):
         for stop in range(start, n + 1):
             expected = reference[start:stop]
-            for tokens in (ids, keyed, reference):
+            for tokens in forms:
                 assert id_list(tokens, start, stop) == expected
                 assert id_list(TokenPrefix(tokens, stop), start, stop) == expected
                 assert id_list(TokenSpan(tokens, start, n), 0, stop - start) == expected
+                assert id_list(_SubSpan(tokens, start, n), 0, stop - start) == expected
+    # So do the keys a chain takes from each form (its prompt's array, or a copy of ids).
+    num_blocks = n // BS
+    keys = set()
+    for tokens in forms:
+        for view in (tokens, TokenPrefix(tokens, n), _SubSpan(tokens, 0, n)):
+            chain = BlockKeyChain(BS, None)
+            for upto in range(num_blocks + 1):  # grown block by block: each growth copies
+                chain.extend(view, upto)
+            keys.add((chain.hashes.tobytes(), chain.checks.tobytes(), chain.last_key))
+    assert len(keys) == 1
+
+
+class _SubList(list):  # type: ignore[type-arg]
+    pass
+
+
+class _SubArrayIds(ArrayTokenIds):
+    __slots__ = ()
+
+
+class _SubSpan(TokenSpan):
+    __slots__ = ()
 
 
 def test_hash_index_compares_the_second_lane_on_a_hash_hit():
@@ -399,18 +424,17 @@ def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
                 live[chosen].append(token)
                 m.commit_many([(chosen, live[chosen])])
         for probe in probes:
-            memo, fresh = index.match(probe, None), index.match(tuple(probe), None)
+            # The fresh walk first (a plain tuple: a throwaway chain, which becomes the
+            # index's last answer), so the probe's memo answer is built again here, then
+            # returned as is when asked again (the index's last answer).
+            fresh, memo = index.match(tuple(probe), None), index.match(probe, None)
             assert (memo.num_tokens, memo.block_ids, memo.num_blocks_taken) == (
                 fresh.num_tokens,
                 fresh.block_ids,
                 fresh.num_blocks_taken,
             )
             again = index.match(probe, None)  # nothing changed: the memo's answer
-            assert (again.num_tokens, again.block_ids, again.num_blocks_taken) == (
-                memo.num_tokens,
-                memo.block_ids,
-                memo.num_blocks_taken,
-            )
+            assert again is memo
             # The array the manager attaches with is the memo's own: the same blocks.
             for found in (memo, fresh, again):
                 array = found.block_id_array()
@@ -474,19 +498,36 @@ def test_memoised_match_keeps_no_cycle_through_its_chain():
     """A match's handle is the chain carrying the memo: the memo must not hold the match
     back, or every sequence's chain (keys, memo index) would outlive it until a garbage
     collection, which a long replay runs rarely (the full Mooncake trace's peak RSS
-    doubled)."""
+    doubled). The index keeps its last answer only (returned again while the memo
+    stands), so it holds one chain at most, until it answers another."""
     m = PagedKVManager(4, BS, 1, BlockHashPrefixIndex())
     writer = KeyedTokenIds([3] * 9)
     m.allocate(0, writer, 9, None)
     m.commit(0, writer)
-    probe = KeyedTokenIds([3] * 9)
-    for _ in range(2):  # the walk, then the memo's answer
-        match = m.prefix_index.match(probe, None)
-        assert match.handle is probe.key_chain and match.num_tokens == 8
-    del match
+    probe, other = KeyedTokenIds([3] * 9), KeyedTokenIds([4] * 9)
+    walked = m.prefix_index.match(probe, None)
+    memo = m.prefix_index.match(probe, None)  # the memo's answer: the index's last, as is
+    assert memo is walked and memo.handle is probe.key_chain and memo.num_tokens == 8
+    m.prefix_index.match(other, None)
+    rebuilt = m.prefix_index.match(probe, None)  # the memo's answer, built again
+    assert rebuilt is not memo and rebuilt == memo
+    del walked, memo, rebuilt
     chain = probe.key_chain
+    m.prefix_index.match(other, None)  # the index answers another chain
     # Referenced by the probe's slot, this name and getrefcount's argument only.
     assert sys.getrefcount(chain) == 3
+
+
+def test_last_answer_is_one_index_s_own():
+    """An index returns its last answer again only for the chain whose memo it owns: one
+    probe matched through two indexes in turn gets each index's own match."""
+    managers = [PagedKVManager(4, BS, 1, BlockHashPrefixIndex()) for _ in range(2)]
+    writer = KeyedTokenIds([3] * 9)
+    managers[0].allocate(0, writer, 9, None)
+    managers[0].commit(0, writer)
+    probe = KeyedTokenIds([3] * 9)
+    for _ in range(2):
+        assert [m.prefix_index.match(probe, None).num_tokens for m in managers] == [8, 0]
 
 
 def test_memoised_match_drops_blocks_the_pool_reused():

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
-from kvbench.engines.kv.token_ids import BlockKeyChain, KeyCarrier, id_list
+from kvbench.engines.kv.token_ids import NO_BLOCK_IDS, BlockKeyChain, KeyCarrier, id_list
 from kvbench.hashing import block_multipliers
 
 # ``PrefixIndex.commit_many``'s entries: (seq_id, token_ids, block_ids, extra_key), as ``commit`` takes them.
@@ -241,7 +241,6 @@ class NullPrefixIndex:
 # Lane 0 keys the hash table; lane 1 is compared on a hit. The block's token ids are not
 # kept: a 128-bit key makes a false hit as unlikely as in vLLM's hashed keys.
 _SLOTS_PER_BLOCK = 4  # hash table slots per pool block (a power of two at least this)
-_NO_BLOCKS = np.empty(0, dtype=np.int64)
 
 
 class _SeqHashState:
@@ -318,6 +317,10 @@ class _StepRegistrations:
 
 
 _NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
+# Its step buffers, shared by every call since nothing reads them: the two block arrays
+# are empty (nothing is written there) and the one count per step is scratch. Making
+# three arrays per call cost a third as much as the compiled call itself.
+_NO_TAKING = native.step_buffers(0, 1)
 
 
 class BlockHashPrefixIndex:
@@ -361,6 +364,11 @@ class BlockHashPrefixIndex:
         # Bumped by every registration call and every drop: while unchanged (and the pool's
         # ref_version too), a chain's memoised match is still the answer (match).
         self._version = 0
+        # The last match's answer, whose handle is the chain it memoises: returned again
+        # while that memo stands, instead of a new PrefixMatch (a frozen dataclass costs
+        # ~9K instructions to build; admission asks up to three times per step for the
+        # same head). Held here, not on the chain, which the answer already references.
+        self._answer: PrefixMatch = NO_MATCH
 
     # ------------------------------------------------------------------ protocol
     def bind(self, pool: BlockPool, block_size: int) -> None:
@@ -380,7 +388,8 @@ class BlockHashPrefixIndex:
 
     def match(self, token_ids: Sequence[int], extra_key: str | None) -> PrefixMatch:
         """See ``PrefixIndex.match``. Pure as far as the cache goes; it memoises the walk on
-        the sequence's key chain and revalidates the memo cheaply:
+        the sequence's key chain (the index keeps the last answer, returned again while
+        its chain's memo stands: ``_answer``) and revalidates the memo cheaply:
 
         - memoised blocks stay registered under the same keys unless one was dropped
           (registrations are only dropped when the pool reuses a block). When any block
@@ -401,10 +410,14 @@ class BlockHashPrefixIndex:
             and chain.match_num_full == num_full
         ):
             # Nothing it read changed: the memo's answer (as built at the end).
-            blocks = chain.match_blocks
-            return PrefixMatch(len(blocks) * bs, blocks, chain.match_num_taken, chain, chain.match_array)
+            if self._answer.handle is not chain:
+                blocks = chain.match_blocks
+                self._answer = PrefixMatch(
+                    len(blocks) * bs, blocks, chain.match_num_taken, chain, chain.match_array
+                )
+            return self._answer
         blocks: tuple[int, ...] = ()
-        array = _NO_BLOCKS  # blocks as int64 [len(blocks)], for the compiled counts
+        array = NO_BLOCK_IDS  # blocks as int64 [len(blocks)], for the compiled counts
         num_taken: int | None = 0
         if chain.match_owner is self:
             blocks, array = chain.match_blocks, chain.match_array
@@ -441,9 +454,13 @@ class BlockHashPrefixIndex:
         chain.match_version = self._version
         chain.match_num_full = num_full
         if not blocks:
+            if not isinstance(token_ids, KeyCarrier):
+                return NO_MATCH
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
-            return PrefixMatch(0, (), 0, handle=chain) if isinstance(token_ids, KeyCarrier) else NO_MATCH
-        return PrefixMatch(len(blocks) * bs, blocks, num_taken, chain, array)
+            self._answer = PrefixMatch(0, (), 0, handle=chain)
+        else:
+            self._answer = PrefixMatch(len(blocks) * bs, blocks, num_taken, chain, array)
+        return self._answer
 
     def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
         """See ``PrefixIndex.match_may_grow``. With no frees, a match changes only if the
@@ -535,12 +552,12 @@ class BlockHashPrefixIndex:
             if at == len(entries):
                 break
             if batch.rows:
-                self._register_in_steps(_NO_NEEDS, 0, batch)
+                self._register_in_steps(_NO_NEEDS, batch, _NO_TAKING)
                 batch = _StepRegistrations(bs)
             self.commit(*entries[at])  # a plain commit (KeyError naming an unknown seq)
             at += 1
         if batch.rows:
-            self._register_in_steps(_NO_NEEDS, 0, batch)
+            self._register_in_steps(_NO_NEEDS, batch, _NO_TAKING)
 
     def allocate_decode_steps(
         self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
@@ -564,22 +581,26 @@ class BlockHashPrefixIndex:
             if at < len(entries):
                 self._seq(entries[at][0])  # only to raise, naming an unknown seq
                 return None
-        return self._register_in_steps(needs, num_blocks, steps)
+        return self._register_in_steps(needs, steps, native.step_buffers(num_blocks, len(needs)))
 
     def _register_in_steps(
-        self, needs: np.ndarray, num_blocks: int, steps: _StepRegistrations
+        self,
+        needs: np.ndarray,
+        steps: _StepRegistrations,
+        buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Take ``needs[t]`` blocks per step ``t`` (int64 [steps], ``num_blocks`` in all)
-        and key and register ``steps``' entries after their steps, in one compiled pass
-        (``native.allocate_steps_registering``); the states count the blocks and take
-        their last keys (the chains are left behind: see ``BlockKeyChain``), and the
-        pool's reuse listener hears of the cached blocks taken. Returns
-        ``BlockPool.allocate_steps``' result. Mutates the pool, index and states."""
+        """Take ``needs[t]`` blocks per step ``t`` (int64 [steps]) into ``buffers``
+        (``native.step_buffers`` for them) and key and register ``steps``' entries after
+        their steps, in one compiled pass (``native.allocate_steps_registering``); the
+        states count the blocks and take their last keys (the chains are left behind:
+        see ``BlockKeyChain``), and the pool's reuse listener hears of the cached blocks
+        taken. Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index,
+        states and buffers."""
         pool = self._bound_pool()
         self._version += 1
         # uint64 [rows, 2]: each row's last key, as of its last entry once the call returns.
         lanes = np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2)
-        taken, reused, reused_per_step = native.step_buffers(num_blocks, len(needs))
+        taken, reused, reused_per_step = buffers
         num_reused, registered = native.allocate_steps_registering(
             pool.state,
             pool.counts,

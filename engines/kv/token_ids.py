@@ -26,6 +26,15 @@ from kvbench.types import ComputedTokenIds
 # shared with the prefix-reuse bound). Lane 0 keys the hash table; lane 1 is compared on a
 # hit. The block's token ids are not kept in the key (vLLM likewise trusts a hash).
 
+# What a new chain starts with, shared by every chain: a chain replaces its (empty) key
+# arrays before it writes a key (``_reserve``) and its memo's array is only ever replaced,
+# so nothing writes these; ``_STARTS`` is written just before each keying call, which only
+# reads it. (Four arrays per chain cost more than keying a short prompt.) Not flagged
+# read only: compiled calls take these, and a read-only array is another type to compile.
+_NO_KEYS = np.empty(0, dtype=np.uint64)
+NO_BLOCK_IDS = np.empty(0, dtype=np.int64)  # no blocks (a match memo's, an index's): never written
+_STARTS = np.empty(2, dtype=np.uint64)  # each lane's sum before the blocks being keyed
+
 
 class BlockKeyChain:
     """The chained keys of a token sequence's full blocks, kept between uses.
@@ -55,7 +64,6 @@ class BlockKeyChain:
         "_hashes",
         "_checks",
         "last_key",
-        "_lanes",
         "match_owner",
         "match_blocks",
         "match_array",
@@ -72,15 +80,14 @@ class BlockKeyChain:
         self.num_blocks = 0  # full blocks keyed so far
         # uint64 [capacity >= num_blocks], grown by doubling: lane 0 (the hash map's key)
         # and lane 1 (compared on a hit) of each full block's key.
-        self._hashes = np.empty(0, dtype=np.uint64)
-        self._checks = np.empty(0, dtype=np.uint64)
+        self._hashes = _NO_KEYS
+        self._checks = _NO_KEYS
         # Both lanes of the last keyed block's key (Python ints), or the chain's start before
         # any block: what the next block's key is chained from.
         self.last_key: tuple[int, int] = _start_key(extra_key)
-        self._lanes = np.empty(2, dtype=np.uint64)  # scratch: each lane's sum before new blocks
         self.match_owner: object | None = None  # the index the memo belongs to
         self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
-        self.match_array = np.empty(0, dtype=np.int64)  # match_blocks as int64 [len(match_blocks)]
+        self.match_array = NO_BLOCK_IDS  # match_blocks as int64 [len(match_blocks)]
         self.match_num_taken = 0  # unreferenced blocks among match_blocks then
         self.match_ref_version = -1  # the pool's ref_version then
         self.match_num_drops = 0  # the index's cumulative dropped registrations then
@@ -88,7 +95,7 @@ class BlockKeyChain:
         # registration and drop), the pool's ref_version and the full-block count asked
         # for are unchanged: admission asks up to three times per step for the same head.
         # (The chain keeps no PrefixMatch: its handle is the chain, and the cycle would
-        # outlive the sequence until a garbage collection.)
+        # outlive the sequence until a garbage collection. The index keeps its last one.)
         self.match_version = -1
         self.match_num_full = -1
 
@@ -112,12 +119,13 @@ class BlockKeyChain:
         if num_blocks * bs > len(token_ids):
             raise ValueError(f"BlockKeyChain: {num_blocks} blocks asked of {len(token_ids)} tokens")
         self._reserve(num_blocks)
-        self._lanes[0], self._lanes[1] = self.last_key
+        ids = _id_array(token_ids, first * bs, num_blocks * bs)
+        _STARTS[0], _STARTS[1] = self.last_key
         chained_block_keys_into(
-            _id_array(token_ids, first * bs, num_blocks * bs),
+            ids,
             block_multipliers(bs),
             first,
-            self._lanes,
+            _STARTS,
             self._hashes[first:num_blocks],
             self._checks[first:num_blocks],
         )
@@ -141,8 +149,12 @@ class BlockKeyChain:
         if num_blocks > len(self._hashes):
             n = self.num_blocks
             capacity = max(num_blocks, 2 * len(self._hashes), 8)
-            self._hashes = np.concatenate([self.hashes, np.empty(capacity - n, dtype=np.uint64)])
-            self._checks = np.concatenate([self.checks, np.empty(capacity - n, dtype=np.uint64)])
+            hashes = np.empty(capacity, dtype=np.uint64)
+            checks = np.empty(capacity, dtype=np.uint64)
+            if n:  # (a chain's first keys, once per prompt, copy nothing)
+                hashes[:n] = self._hashes[:n]
+                checks[:n] = self._checks[:n]
+            self._hashes, self._checks = hashes, checks
 
     def copy(self) -> BlockKeyChain:
         """An independent chain with the same keys (a fork shares every full block)."""
@@ -164,7 +176,7 @@ def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
     ``ArrayTokenIds``' prompt array (directly or through a view) when the range lies in
     it, else a copy (``id_list``: for a decode block, of its appended tail only)."""
     tokens, first, last = _unwrapped(token_ids, start, stop)
-    if isinstance(tokens, ArrayTokenIds) and last <= tokens._num_array:
+    if type(tokens) is ArrayTokenIds and last <= tokens._num_array:  # exact: see _unwrapped
         return tokens.array[first:last]
     return np.array(id_list(token_ids, start, stop), dtype=np.int64)
 
@@ -175,23 +187,29 @@ def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
     ``ArrayTokenIds``' appended tail or of a list, also through a view (registering
     decode blocks slices once per block; the views' own slicing re-checks the range
     twice)."""
-    if type(token_ids) is ArrayTokenIds:
-        # A sequence's own ids (every decode commit): an exact type test, since a failed
-        # isinstance test against these ABC-derived classes costs ~0.2 us.
-        tokens = token_ids
-    else:
+    tokens = token_ids
+    if type(tokens) is not ArrayTokenIds:  # a sequence's own ids (most decode commits) skip the call
         tokens, start, stop = _unwrapped(token_ids, start, stop)
-    if isinstance(tokens, ArrayTokenIds) and start >= tokens._num_array:
+    if type(tokens) is ArrayTokenIds and start >= tokens._num_array:  # exact: see _unwrapped
         return tokens.tail[start - tokens._num_array : stop - tokens._num_array]
     return tokens[start:stop]
 
 
 def _unwrapped(token_ids: Sequence[int], start: int, stop: int) -> tuple[Sequence[int], int, int]:
     """The ids a ``TokenSpan`` views and the range ``[start, stop)`` of the span in them;
-    any other ids as they are. Pure."""
-    if isinstance(token_ids, TokenSpan):
-        return token_ids._tokens, start + token_ids._start, stop + token_ids._start
-    return token_ids, start, stop
+    any other ids as they are. Pure.
+
+    The usual types are told apart by exact type tests: an ``isinstance`` test that is
+    not an exact match calls these ABC-derived classes' Python-level
+    ``__instancecheck__`` (about 1,500 instructions; decode registrations unwrap once
+    per block). Callers' own exact tests for ``ArrayTokenIds`` only choose a faster
+    slice: a subclass takes the plain one, to the same ids."""
+    cls = type(token_ids)
+    if cls is TokenPrefix or cls is TokenSpan:
+        pass
+    elif cls is ArrayTokenIds or cls is KeyedTokenIds or cls is list or not isinstance(token_ids, TokenSpan):
+        return token_ids, start, stop
+    return token_ids._tokens, start + token_ids._start, stop + token_ids._start
 
 
 class KeyCarrier:

@@ -25,7 +25,7 @@ is the one that compiles) and the others after it. Two checkouts in different
 directories have differed by up to 0.2 % for the same code (path strings).
 
 Instructions are not time: cache misses and branch mispredictions make some far dearer
-than others (prefix caching at 0 % hits adds about 15 % instructions but 25-35 % CPU
+than others (prefix caching at 0 % hits adds about 20 % instructions but 25-35 % CPU
 time), so a ratio of instructions is not a ratio of CPU time. Use them to compare two
 checkouts on one workload (run this in each), not as the issue's speed goals.
 """
