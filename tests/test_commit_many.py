@@ -89,7 +89,7 @@ def test_commit_many_equals_one_commit_at_a_time(prompts, steps, num_blocks, see
         if not live:
             break
         # One step: grow each planned sequence, then commit the step's entries.
-        entries: list[list[tuple[int, object]]] = [[], []]
+        entries: list[list[tuple[int, object, int]]] = [[], []]
         for (num_new, twice, _), seq_id in zip(plan, live):
             if not managers[0].can_append(seq_id, num_new):
                 continue
@@ -100,10 +100,11 @@ def test_commit_many_equals_one_commit_at_a_time(prompts, steps, num_blocks, see
                 before = len(ids)
                 ids.extend(new)
                 if twice:  # a prefix first: with num_new == 1 the same tokens twice
-                    ents.append((seq_id, TokenPrefix(ids, before + (num_new + 1) // 2)))
-                ents.append((seq_id, ids))
-        for seq_id, ids in entries[0]:
-            managers[0].commit(seq_id, ids)
+                    ents.append((seq_id, ids, before + (num_new + 1) // 2))
+                ents.append((seq_id, ids, len(ids)))
+        for seq_id, ids, num_tokens in entries[0]:
+            # The reference commits views of the counted prefixes (the entries' ids run on).
+            managers[0].commit(seq_id, TokenPrefix(ids, num_tokens))
         managers[1].commit_many(entries[1])
         for (_, _, finish), seq_id in zip(plan, live):
             if finish == 0:  # about one in ten finishes after its step
@@ -121,9 +122,11 @@ def test_commit_many_checks_every_entry_before_committing_any():
     m.allocate(0, good, 8, None)
     m.allocate(1, bad, 8, None)
     with pytest.raises(ValueError, match="seq 1 commits 9 tokens but has 8 slots"):
-        m.commit_many([(0, good), (1, KeyedTokenIds([6] * 9))])
+        m.commit_many([(0, good, 8), (1, KeyedTokenIds([6] * 9), 9)])
+    with pytest.raises(ValueError, match="seq 1 commits -1 tokens"):
+        m.commit_many([(0, good, 8), (1, bad, -1)])
     assert m.prefix_index.num_cached_blocks == 0  # seq 0's blocks were not registered either
-    m.commit_many([(0, good), (1, bad)])
+    m.commit_many([(0, good, 8), (1, bad, 8)])
     assert m.prefix_index.num_cached_blocks == 4
     m.check()
 
@@ -134,7 +137,7 @@ def test_commit_many_refuses_a_swapped_out_sequence():
     m.allocate(0, tokens, 8, None)
     m.swap_out(0)
     with pytest.raises(ValueError, match="commit: seq 0 is swapped out"):
-        m.commit_many([(0, tokens)])
+        m.commit_many([(0, tokens, 8)])
     assert m.prefix_index.num_cached_blocks == 0
     m.check()
 
@@ -161,11 +164,24 @@ def test_index_commit_many_commits_the_entries_before_an_unknown_seq():
     registered, the one after it is not."""
     m, ids = _decoding_index(2)
     index = m.prefix_index
-    rows = [(seq_id, ids[seq_id], m.block_table(seq_id), None) for seq_id in (0, 1)]
+    rows = [(seq_id, ids[seq_id], 2 * BS, m.block_table(seq_id), None) for seq_id in (0, 1)]
     with pytest.raises(KeyError, match="unknown seq 9"):
-        index.commit_many([rows[0], (9, ids[1], m.block_table(1), None), rows[1]])
+        index.commit_many([rows[0], (9, ids[1], 2 * BS, m.block_table(1), None), rows[1]])
     assert index.registration(0)[0] == 2  # seq 0's decode block: registered
     assert index.registration(1)[0] == 1  # seq 1's: not
+    m.check()
+
+
+def test_a_count_past_the_ids_raises_where_the_index_reads_them():
+    """An entry counting more ids than it holds, whose count completes a block: the batch
+    stops there and the plain commit raises ValueError; the decode commit before it is
+    registered (the contract: entries before the bad one may be committed)."""
+    m, ids = _decoding_index(2)
+    short = KeyedTokenIds(ids[1][: 2 * BS - 1])
+    with pytest.raises(ValueError, match=rf"ids \[0, {2 * BS}\) asked of {2 * BS - 1}"):
+        m.commit_many([(0, ids[0], 2 * BS), (1, short, 2 * BS)])
+    assert m.prefix_index.registration(0)[0] == 2
+    assert m.prefix_index.registration(1)[0] == 1
     m.check()
 
 
@@ -173,7 +189,7 @@ def test_allocate_decode_steps_raises_on_an_unknown_seq_changing_nothing():
     m, ids = _decoding_index(1)
     index, pool = m.prefix_index, m.pool
     before = (pool.state.tobytes(), pool.counts.tobytes(), index.registration(0))
-    rows = [[(0, ids[0], m.block_table(0), None), (9, ids[0], m.block_table(0), None)]]
+    rows = [[(0, ids[0], 2 * BS, m.block_table(0), None), (9, ids[0], 2 * BS, m.block_table(0), None)]]
     with pytest.raises(KeyError, match="unknown seq 9"):
         index.allocate_decode_steps(pool, np.array([1], dtype=np.int64), rows)
     assert (pool.state.tobytes(), pool.counts.tobytes(), index.registration(0)) == before
@@ -187,7 +203,7 @@ def test_a_radix_index_commits_one_entry_at_a_time():
     ids = [KeyedTokenIds([7] * 8), KeyedTokenIds([7] * 8)]
     for seq_id, tokens in enumerate(ids):
         m.allocate(seq_id, tokens, 8, None)
-    m.commit_many([(0, ids[0]), (1, ids[1])])
+    m.commit_many([(0, ids[0], 8), (1, ids[1], 8)])
     # Both wrote the same two blocks: the second sequence now reads the first one's.
     assert m.block_table(1) == m.block_table(0)
     m.check()
@@ -272,14 +288,16 @@ def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncom
         if num_steps == 0:
             break
         new = rng.integers(3, 5, size=(len(live), num_steps)).tolist()
-        commits: list[list[list[tuple[int, object]]]] = [[[] for _ in range(num_steps)] for _ in range(2)]
+        commits: list[list[list[tuple[int, object, int]]]] = [
+            [[] for _ in range(num_steps)] for _ in range(2)
+        ]
         for tok, per_step in zip(tokens, commits):
             for seq_id, row in zip(live, new):
                 ids = tok[seq_id]
                 first = len(ids)
                 ids.extend(row)  # the run's tokens, appended before its slots are reserved
                 for step in range(-first % BS, num_steps, BS):
-                    per_step[step].append((seq_id, TokenPrefix(ids, first + step)))
+                    per_step[step].append((seq_id, ids, first + step))
         reported = runs[0].advance_many(num_steps, commits[0])
         stepped = managers[1]
         for step, (*counts, num_reused) in enumerate(reported):

@@ -422,7 +422,7 @@ def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
                     break
                 m.append(chosen, 1)
                 live[chosen].append(token)
-                m.commit_many([(chosen, live[chosen])])
+                m.commit_many([(chosen, live[chosen], len(live[chosen]))])
         for probe in probes:
             # The fresh walk first (a plain tuple: a throwaway chain, which becomes the
             # index's last answer), so the probe's memo answer is built again here, then
@@ -457,7 +457,7 @@ def test_memoised_answer_follows_a_decode_registration_and_a_silent_reuse():
     for _ in range(3):  # decode [3, 3, 3]: the writer's second block fills with 3s
         m.append(0, 1)
         writer.append(3)
-    m.commit_many([(0, writer)])
+    m.commit_many([(0, writer, len(writer))])
     assert index.match(probe, None).num_tokens == 8 == index.match(tuple(probe), None).num_tokens
     # Both blocks go cached-free; the probe's memo holds them.
     m.free(0)

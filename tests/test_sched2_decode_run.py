@@ -172,7 +172,7 @@ def test_a_carried_run_equals_a_fresh_one(index_name, seed):
         run.advance()
         for seq_id in live:
             tokens[seq_id].append(rng.randrange(3, 9))  # few distinct ids: twins get cached
-        m.commit_many([(seq_id, tokens[seq_id]) for seq_id in live])
+        m.commit_many([(seq_id, tokens[seq_id], len(tokens[seq_id])) for seq_id in live])
     batch = live[:]
     rng.shuffle(batch)
     if len(batch) > 1:

@@ -703,14 +703,14 @@ def test_decode_run_checks_commits_per_step_and_refuses_whole():
     run = kv.decode_run(seqs)
     tokens = list(range(3, 40))
     # Step 0 writes slot 6 of seq 0 (5 prompt slots + 1): 6 tokens commit, 7 do not.
-    run.advance_many(2, [[(seqs[0], tokens[:6])], [(seqs[0], tokens[:7])]])
+    run.advance_many(2, [[(seqs[0], tokens, 6)], [(seqs[0], tokens, 7)]])
     before = _run_state(kv, seqs)
     with pytest.raises(ValueError, match="commits 10 tokens but has 8 slots"):
-        run.advance_many(1, [[(seqs[0], tokens[:10])]])
+        run.advance_many(1, [[(seqs[0], tokens, 10)]])
     assert _run_state(kv, seqs) == before
     # 9 tokens after the first of two steps: 9 slots only once both are taken.
     with pytest.raises(ValueError, match="commits 9 tokens but has 8 slots"):
-        run.advance_many(2, [[(seqs[0], tokens[:9])], []])
+        run.advance_many(2, [[(seqs[0], tokens, 9)], []])
     assert _run_state(kv, seqs) == before
     kv.check()
 

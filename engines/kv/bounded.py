@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.eviction import EvictionPolicy
 from kvbench.engines.kv.paged import SeqTable, check_sizes
-from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps
+from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, KVOps, StepCommit
+from kvbench.engines.kv.token_ids import prefix_of
 from kvbench.types import KVUsage
 
 
@@ -190,10 +191,10 @@ class BoundedKVManager(SeqTable):
                 self.pool.decref(b)
             del seq.block_ids[keep:]
 
-    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """``commit`` each entry in order."""
-        for seq_id, token_ids in entries:
-            self.commit(seq_id, token_ids)
+    def commit_many(self, entries: Sequence[StepCommit]) -> None:
+        """``commit`` each entry's prefix in order."""
+        for seq_id, token_ids, num_tokens in entries:
+            self.commit(seq_id, prefix_of(token_ids, num_tokens))
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Not supported: an evicting sequence overwrites slots in place, so siblings cannot

@@ -32,8 +32,15 @@ import numpy as np
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.prefix_cache import CommitEntry, PrefixIndex, PrefixMatch
-from kvbench.engines.kv.protocol import NO_OPS, AdmissionGuard, DecodeRun, KVCapacityError, KVOps
-from kvbench.engines.kv.token_ids import TokenPrefix
+from kvbench.engines.kv.protocol import (
+    NO_OPS,
+    AdmissionGuard,
+    DecodeRun,
+    KVCapacityError,
+    KVOps,
+    StepCommit,
+)
+from kvbench.engines.kv.token_ids import TokenPrefix, prefix_of
 from kvbench.types import KVUsage, Request
 
 if TYPE_CHECKING:
@@ -414,7 +421,7 @@ class PagedKVManager(SeqTable):
         prefix index; where the index already holds a full block with the same KV, the
         sequence reads that one and drops its own copy (``PrefixIndex.commit``). Mutates:
         the index, the block table and references. ValueError when more tokens than slots."""
-        seq = self._committing(seq_id, token_ids)
+        seq = self._committing(seq_id, len(token_ids))
         table = seq.block_ids
         for index, block in self.prefix_index.commit(seq_id, token_ids, table, seq.extra_key):
             # A full block: every slot claimed, so the switch keeps the claimed-slot counts.
@@ -425,37 +432,38 @@ class PagedKVManager(SeqTable):
             self._drop_seq_ref(own)
             self.pool.decref(own)
 
-    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """``commit`` each entry in order. With an index that holds no blocks (whose commits
-        switch no table entries) every entry is checked first, then the index registers
-        them together (``PrefixIndex.commit_many``): nothing is committed when one is bad."""
+    def commit_many(self, entries: Sequence[StepCommit]) -> None:
+        """``commit`` each entry's prefix in order. With an index that holds no blocks (whose
+        commits switch no table entries) every entry is checked first, then the index
+        registers them together (``PrefixIndex.commit_many``): nothing is committed when
+        one is bad."""
         index = self.prefix_index
         if index.holds_blocks:
-            for seq_id, token_ids in entries:
-                self.commit(seq_id, token_ids)
+            for seq_id, token_ids, num_tokens in entries:
+                self.commit(seq_id, prefix_of(token_ids, num_tokens))
             return
         index.commit_many(self._commit_rows(entries))
 
-    def _commit_rows(self, entries: Sequence[tuple[int, Sequence[int]]]) -> list[CommitEntry]:
-        """The prefix index's commit entries for ``entries`` (seq id, the tokens it commits):
-        each with its block table (the live int64 array, not a copy) and extra key. Raises
-        as ``_committing`` on the first bad entry. Pure."""
+    def _commit_rows(self, entries: Sequence[StepCommit]) -> list[CommitEntry]:
+        """The prefix index's commit entries for ``entries``: each with its block table
+        (the live int64 array, not a copy) and extra key. Raises as ``_committing`` on the
+        first bad entry (the index checks a count past the ids). Pure."""
         rows = []
-        for seq_id, token_ids in entries:
-            seq = self._committing(seq_id, token_ids)
-            rows.append((seq_id, token_ids, seq.block_ids, seq.extra_key))
+        for seq_id, token_ids, num_tokens in entries:
+            seq = self._committing(seq_id, num_tokens)
+            rows.append((seq_id, token_ids, num_tokens, seq.block_ids, seq.extra_key))
         return rows
 
-    def _committing(self, seq_id: int, token_ids: Sequence[int]) -> _Seq:
-        """The resident sequence ``seq_id`` may commit ``token_ids``; raises naming it
-        otherwise: KeyError when unknown, ValueError when swapped out or with fewer slots
-        than tokens. Pure."""
+    def _committing(self, seq_id: int, num_tokens: int) -> _Seq:
+        """The resident sequence ``seq_id`` may commit its first ``num_tokens`` tokens;
+        raises naming it otherwise: KeyError when unknown, ValueError when swapped out,
+        for a negative count or with fewer slots than tokens. Pure."""
         seq = self._seqs.get(seq_id)
         if seq is None or seq.host_blocks is not None:
             seq = self._resident(seq_id, "commit")  # raises naming the seq
-        if len(token_ids) > seq.num_tokens:
+        if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(
-                f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
+                f"commit: seq {seq_id} commits {num_tokens} tokens but has {seq.num_tokens} slots"
             )
         return seq
 
@@ -916,7 +924,7 @@ class PagedDecodeRun:
         return steps
 
     def advance_many(
-        self, num_steps: int, commits: Sequence[Sequence[tuple[int, Sequence[int]]]] = ()
+        self, num_steps: int, commits: Sequence[Sequence[StepCommit]] = ()
     ) -> list[tuple[int, ...]]:
         """``advance`` ``num_steps`` times: the same blocks (taken step by step in sequence
         order), claims, counters and reuse-listener drops. ``commits[t]`` (empty: none)

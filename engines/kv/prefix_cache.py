@@ -28,11 +28,13 @@ import numpy as np
 
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
-from kvbench.engines.kv.token_ids import NO_BLOCK_IDS, BlockKeyChain, KeyCarrier, id_list
+from kvbench.engines.kv.token_ids import NO_BLOCK_IDS, BlockKeyChain, KeyCarrier, id_list, prefix_of
 from kvbench.hashing import block_multipliers
 
-# ``PrefixIndex.commit_many``'s entries: (seq_id, token_ids, block_ids, extra_key), as ``commit`` takes them.
-CommitEntry = tuple[int, Sequence[int], Sequence[int], str | None]
+# ``PrefixIndex.commit_many``'s entries: (seq_id, token_ids, num_tokens, block_ids,
+# extra_key): ``commit`` of the first ``num_tokens`` of ``token_ids`` (a sequence's own
+# ids, which may run past the count: see ``kvbench.engines.kv.protocol.StepCommit``).
+CommitEntry = tuple[int, Sequence[int], int, Sequence[int], str | None]
 
 
 @dataclass(frozen=True)
@@ -131,13 +133,14 @@ class PrefixIndex(Protocol):
         ...
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
-        """``commit`` each ``(seq_id, token_ids, block_ids, extra_key)`` entry in order, with
-        the same effect, for an index that holds no blocks (``holds_blocks`` False: its
-        commits return no pairs). One step's decode commits go here together, so an index
-        may key and register them in one pass. An index that holds blocks raises
-        TypeError: its caller must apply each commit's pairs before the next commit.
-        Mutates what ``commit`` does; raises as ``commit`` on the first bad entry, the
-        entries before it committed."""
+        """``commit(seq_id, token_ids[:num_tokens], block_ids, extra_key)`` for each entry in
+        order, with the same effect, for an index that holds no blocks (``holds_blocks``
+        False: its commits return no pairs). One step's decode commits go here together,
+        so an index may key and register them in one pass. An index that holds blocks
+        raises TypeError: its caller must apply each commit's pairs before the next
+        commit. Mutates what ``commit`` does; raises as ``commit`` on the first bad entry
+        (ValueError also for a count past the ids where the index reads ids the entry
+        lacks), the entries before it committed."""
         ...
 
     def allocate_decode_steps(
@@ -289,7 +292,7 @@ class _StepRegistrations:
         bs = self.block_size
         rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
         for at in range(start, len(entries)):
-            seq_id, token_ids, block_ids, _ = entries[at]
+            seq_id, token_ids, num_tokens, block_ids, _ = entries[at]
             row = rows.get(seq_id)
             if row is None:
                 state = seqs.get(seq_id)
@@ -299,11 +302,14 @@ class _StepRegistrations:
             else:
                 state = states[row]
                 first = state.num_blocks + num_entries[row]
-            num_full = len(token_ids) // bs
+            num_full = num_tokens // bs
             if num_full <= first:
                 continue  # no new full block
             if num_full != first + 1 or first >= len(block_ids):
                 return at
+            ids = id_list(token_ids, first * bs, num_full * bs)
+            if len(ids) != bs:
+                return at  # a count past the ids: the plain commit raises
             if row is None:
                 row = rows[seq_id] = len(states)
                 states.append(state)
@@ -312,7 +318,7 @@ class _StepRegistrations:
             else:
                 num_entries[row] += 1
             flat += (step, row, first, block_ids[first])
-            flat += id_list(token_ids, first * bs, num_full * bs)
+            flat += ids
         return len(entries)
 
 
@@ -554,7 +560,9 @@ class BlockHashPrefixIndex:
             if batch.rows:
                 self._register_in_steps(_NO_NEEDS, batch, _NO_TAKING)
                 batch = _StepRegistrations(bs)
-            self.commit(*entries[at])  # a plain commit (KeyError naming an unknown seq)
+            seq_id, token_ids, num_tokens, block_ids, extra_key = entries[at]
+            # A plain commit (KeyError naming an unknown seq; ValueError for a bad count).
+            self.commit(seq_id, prefix_of(token_ids, num_tokens), block_ids, extra_key)
             at += 1
         if batch.rows:
             self._register_in_steps(_NO_NEEDS, batch, _NO_TAKING)

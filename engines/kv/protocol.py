@@ -69,6 +69,13 @@ NO_OPS = KVOps()
 COMMITS_REGISTER_NOTHING = 1 << 62
 
 
+# One commit of a step (``KVManager.commit_many``): the sequence id, its token ids and
+# how many of them, from the first, have their KV written (``commit`` of that prefix).
+# The ids may run past the count: they are the sequence's own list, whose newest tokens
+# lack KV, so a commit builds no view of them and takes no Python-level len() of them.
+StepCommit = tuple[int, Sequence[int], int]
+
+
 class KVCapacityError(RuntimeError):
     """An act call (allocate, append, swap) whose check call (can_*) was False."""
 
@@ -166,11 +173,13 @@ class KVManager(Protocol):
         cache. Mutates the prefix cache only; ValueError for more tokens than slots."""
         ...
 
-    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """``commit`` each ``(seq_id, token_ids)`` in order, with the same effect (one step's
-        commits together, so a manager may register them in one pass). Mutates what
-        ``commit`` does; raises as ``commit`` would for the first bad entry (the entries
-        before it may be committed)."""
+    def commit_many(self, entries: Sequence[StepCommit]) -> None:
+        """``commit(seq_id, token_ids[:num_tokens])`` for each ``(seq_id, token_ids,
+        num_tokens)`` in order, with the same effect (one step's commits together, so a
+        manager may register them in one pass). Mutates what ``commit`` does; raises as
+        ``commit`` would for the first bad entry (the entries before it may be committed):
+        ValueError also for a negative count, and for a count past the ids wherever the
+        manager reads ids the entry lacks."""
         ...
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -225,7 +234,7 @@ class DecodeRun(Protocol):
         ...
 
     def advance_many(
-        self, num_steps: int, commits: Sequence[Sequence[tuple[int, Sequence[int]]]] = ()
+        self, num_steps: int, commits: Sequence[Sequence[StepCommit]] = ()
     ) -> list[tuple[int, ...]]:
         """``advance`` ``num_steps`` times (at most ``num_quiet_steps``), making step ``t``'s
         commits (``commit_many`` entries, ``commits[t]``) right after its slots are

@@ -67,7 +67,9 @@ from kvbench.engines.kv.protocol import (
     DecodeRun,
     KVCapacityError,
     KVOps,
+    StepCommit,
 )
+from kvbench.engines.kv.token_ids import prefix_of
 from kvbench.engines.sched.sequence import num_samples
 from kvbench.types import KVUsage, Request
 
@@ -540,10 +542,10 @@ class SlabKVManager(SeqTable):
                 f"commit: seq {seq_id} commits {len(token_ids)} tokens but has {seq.num_tokens} slots"
             )
 
-    def commit_many(self, entries: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """``commit`` each entry: nothing to register, so each only checks its count."""
-        for seq_id, token_ids in entries:
-            self.commit(seq_id, token_ids)
+    def commit_many(self, entries: Sequence[StepCommit]) -> None:
+        """``commit`` each entry's prefix: nothing to register, so each only checks its count."""
+        for seq_id, token_ids, num_tokens in entries:
+            self.commit(seq_id, prefix_of(token_ids, num_tokens))
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Give ``child_seq_id`` a spare region of the parent's request and queue copies of
@@ -882,7 +884,7 @@ class SlabDecodeRun:
         return max(0, min(max_steps, self._num_steps_left))
 
     def advance_many(
-        self, num_steps: int, commits: Sequence[Sequence[tuple[int, Sequence[int]]]] = ()
+        self, num_steps: int, commits: Sequence[Sequence[StepCommit]] = ()
     ) -> list[tuple[int, ...]]:
         """``advance`` ``num_steps`` times, checking step ``t``'s commits (``commits[t]``)
         once its slots are reserved (slab commits register nothing). Returns, per step,

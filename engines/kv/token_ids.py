@@ -396,12 +396,20 @@ class TokenSpan(Sequence[int]):
 class TokenPrefix(TokenSpan):
     """The first ``num_tokens`` ids of a token list (a ``TokenSpan`` from 0).
 
-    The scheduler commits a prefilling sequence's computed prefix every step; slicing
-    a 100K-token prompt for that copied O(prompt) per step, O(prompt^2 / chunk) per
-    request.
+    A plain ``commit`` of a prefilling sequence's computed prefix reads one
+    (``prefix_of``), as do prefix matches of part of a sequence; slicing a 100K-token
+    prompt for that copied O(prompt) per step, O(prompt^2 / chunk) per request.
     """
 
     __slots__ = ()
 
     def __init__(self, tokens: Sequence[int], num_tokens: int) -> None:
         super().__init__(tokens, 0, num_tokens)
+
+
+def prefix_of(token_ids: Sequence[int], num_tokens: int) -> Sequence[int]:
+    """The first ``num_tokens`` ids of ``token_ids``: the ids themselves when that is all
+    of them, else a ``TokenPrefix`` view (ValueError when ``num_tokens`` is outside
+    ``[0, len]``). Pure. What a ``commit_many`` entry (sequence id, ids, count) stands for
+    where a manager or index commits one entry as a plain ``commit``."""
+    return token_ids if num_tokens == len(token_ids) else TokenPrefix(token_ids, num_tokens)

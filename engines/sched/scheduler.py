@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError
-from kvbench.engines.kv.token_ids import TokenPrefix, TokenSpan
+from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, StepCommit
+from kvbench.engines.kv.token_ids import TokenPrefix, TokenSpan, prefix_of
 from kvbench.engines.sched.sequence import GroupStatus, Sequence, SequenceGroup, num_samples
 from kvbench.sim.cost_model import StepShape
 from kvbench.types import FinishedRequest, RejectedRequest, Request
@@ -567,8 +567,12 @@ class Scheduler:
             for group in shared.values():
                 self._update_peaks(group)
         if committing:
-            # Every token but the new one has its KV.
-            kv.commit_many([(seqs[index].seq_id, seqs[index].token_ids) for index in committing])
+            # Every token but the new one (appended below) has its KV: computed + 1 of them.
+            entries = []
+            for index in committing:
+                seq = seqs[index]
+                entries.append((seq.seq_id, seq.token_ids, seq.num_computed_tokens + 1))
+            kv.commit_many(entries)
         for seq, token in zip(seqs, token_ids):
             # Decode state: one token lacked KV; it has it now and the new one lacks it.
             seq.num_computed_tokens += 1
@@ -613,25 +617,26 @@ class Scheduler:
 
     def complete_decodes_many(
         self, pairs: list[tuple[SequenceGroup, Sequence]], token_rows: list[list[int]]
-    ) -> list[list[tuple[int, SequenceOf[int]]]]:
+    ) -> list[list[StepCommit]]:
         """``complete_decodes`` for consecutive steps taken together: ``token_rows[i]`` holds
         the tokens sampled for ``pairs[i]`` (in decode state, as ``decode_batch`` returns
         them), one per step, every row as long. Appends them and sets the
         computed counts now; returns, per step, the commits it makes (``commit_many``
-        entries: sequence id, the tokens written then; in pair order), for
+        entries: sequence id, its token ids, how many had their KV written then; in pair
+        order), for
         ``DecodeRun.advance_many`` to make right after that step's slots are reserved, so
         that the prefix index sees each step's drops before its registrations, as step by
         step. Mutates the sequences."""
         interval = self.kv.commit_interval
         num_steps = len(token_rows[0]) if token_rows else 0
-        steps: list[list[tuple[int, SequenceOf[int]]]] = [[] for _ in range(num_steps)]
+        steps: list[list[StepCommit]] = [[] for _ in range(num_steps)]
         for (_, seq), row in zip(pairs, token_rows):
             tokens = seq.token_ids
             # Decode state: the sequence holds its computed tokens and one more.
             first = seq.num_computed_tokens + 1
             tokens.extend(row)
             for step in range(-first % interval, num_steps, interval):
-                steps[step].append((seq.seq_id, TokenPrefix(tokens, first + step)))
+                steps[step].append((seq.seq_id, tokens, first + step))
             seq.num_computed_tokens = first + num_steps - 1
         return steps
 
@@ -862,7 +867,7 @@ class Scheduler:
                 continue
             end = start + num_tokens
             tokens = seq.token_ids
-            kv.commit(seq.seq_id, tokens if end == len(tokens) else TokenPrefix(tokens, end))
+            kv.commit(seq.seq_id, prefix_of(tokens, end))
 
     def _add_piece(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
         self._pieces.append((group, seq, start, num_tokens))
@@ -1146,7 +1151,7 @@ class Scheduler:
         computed counts and the KV manager's prefix index (``commit``).
         """
         targets = []
-        commits: list[tuple[int, SequenceOf[int]]] = []  # together, in chunk order
+        commits: list[StepCommit] = []  # together, in chunk order
         interval = self.kv.commit_interval
         unchecked = self._unchecked
         for group, seq, start, num_tokens in self._last_pieces:
@@ -1156,10 +1161,8 @@ class Scheduler:
             # A one-token piece commits only where it can register something (as
             # complete_decodes); a longer chunk may complete a block anywhere.
             if num_tokens > 1 or computed % interval == 0:
-                # A prefilling sequence commits its computed prefix: a view, not an O(prompt) copy.
-                commits.append(
-                    (seq.seq_id, tokens if computed == len(tokens) else TokenPrefix(tokens, computed))
-                )
+                # A prefilling sequence commits its computed prefix: a count, not an O(prompt) copy.
+                commits.append((seq.seq_id, tokens, computed))
             if computed == len(tokens):
                 targets.append((group, seq))
         if commits:
