@@ -185,6 +185,23 @@ def test_a_count_past_the_ids_raises_where_the_index_reads_them():
     m.check()
 
 
+def test_decode_steps_refuse_a_bad_commit_changing_nothing():
+    """``advance_many`` checks every step's commit entries before it changes anything: a
+    count past the slots or a negative one raises ValueError and leaves the run and the
+    manager as they were."""
+    m, ids = _decoding_index(2)
+    run = m.decode_run([0, 1])
+    before = (run.snapshot(), m.usage_counts(), m.block_table(0), m.block_table(1))
+    for bad in (2 * BS + 3, -1):
+        with pytest.raises(ValueError, match=f"seq 1 commits {bad} tokens"):
+            run.advance_many(2, [[(0, ids[0], 2 * BS)], [(1, ids[1], bad)]])
+        assert (run.snapshot(), m.usage_counts(), m.block_table(0), m.block_table(1)) == before
+        m.check()
+    run.advance_many(2, [[(0, ids[0], 2 * BS)], [(1, ids[1], 2 * BS)]])
+    assert m.prefix_index.registration(0)[0] == m.prefix_index.registration(1)[0] == 2
+    m.check()
+
+
 def test_allocate_decode_steps_raises_on_an_unknown_seq_changing_nothing():
     m, ids = _decoding_index(1)
     index, pool = m.prefix_index, m.pool

@@ -434,9 +434,10 @@ class PagedKVManager(SeqTable):
 
     def commit_many(self, entries: Sequence[StepCommit]) -> None:
         """``commit`` each entry's prefix in order. With an index that holds no blocks (whose
-        commits switch no table entries) every entry is checked first, then the index
-        registers them together (``PrefixIndex.commit_many``): nothing is committed when
-        one is bad."""
+        commits switch no table entries) every entry is checked first (its sequence and
+        count against the slots: nothing is committed when one fails), then the index
+        registers them together (``PrefixIndex.commit_many``; an entry whose ids lack a
+        block it completes raises there, the entries before it committed)."""
         index = self.prefix_index
         if index.holds_blocks:
             for seq_id, token_ids, num_tokens in entries:
@@ -937,8 +938,12 @@ class PagedDecodeRun:
         one step at a time. Returns, per step, the manager's ``usage_counts`` after it and
         how many cached blocks it reused (evictions). Only for an index that holds no
         blocks and when the steps' blocks are free (``num_quiet_steps``); raises
-        KVCapacityError otherwise, changing nothing. Mutates the manager (claims, block
-        tables, the pool, the index)."""
+        KVCapacityError otherwise, changing nothing. A commit entry ``commit_many`` would
+        refuse (an unknown or swapped-out sequence, a negative count, more tokens than
+        the slots after all ``num_steps`` steps) raises the same, changing nothing; one
+        whose ids lack a block it completes raises ValueError where the index reads them,
+        after the steps before its own (the scheduler builds none). Mutates the manager
+        (claims, block tables, the pool, the index)."""
         kv = self._kv
         bs = kv.block_size
         pool = kv.pool
@@ -963,6 +968,15 @@ class PagedDecodeRun:
         assert len(takers) == total, "a decode run's block counts disagree with its slot counts"
         for seq in seqs:
             seq.num_tokens += num_steps  # the slots reserved (what commits check against)
+        try:
+            # Every step's entries checked before anything else changes: a bad one raises
+            # as commit_many does, the slots given back. (They hold the live block tables,
+            # which the spans extend before the index reads them.)
+            rows_per_step = [kv._commit_rows(entries) for entries in commits]
+        except BaseException:
+            for seq in seqs:
+                seq.num_tokens -= num_steps
+            raise
         # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
         steps: list[tuple[int, int, int]] = []
         lasts = self._lasts.copy()  # [seq] last blocks as the spans append
@@ -977,7 +991,7 @@ class PagedDecodeRun:
             last = min(first + span, num_steps)
             span_needs = needs[first:last]
             span_takers = takers[at : at + sum(span_needs)]
-            rows = [kv._commit_rows(commits[t]) for t in range(first, last)] if commits else []
+            rows = rows_per_step[first:last]
             free, cached = pool.num_free, pool.num_cached_free
             taken = index.allocate_decode_steps(pool, np.array(span_needs, dtype=np.int64), rows)
             if taken is None:

@@ -72,7 +72,8 @@ COMMITS_REGISTER_NOTHING = 1 << 62
 # One commit of a step (``KVManager.commit_many``): the sequence id, its token ids and
 # how many of them, from the first, have their KV written (``commit`` of that prefix).
 # The ids may run past the count: they are the sequence's own list, whose newest tokens
-# lack KV, so a commit builds no view of them and takes no Python-level len() of them.
+# lack KV, so a batched commit builds no view of them and takes no Python-level len() of
+# them (a plain ``commit`` of an entry reads ``token_ids.prefix_of``).
 StepCommit = tuple[int, Sequence[int], int]
 
 
@@ -240,7 +241,9 @@ class DecodeRun(Protocol):
         commits (``commit_many`` entries, ``commits[t]``) right after its slots are
         reserved. Returns per step the manager's ``usage_counts`` after it followed by the
         cached blocks it reused (``(*counts, num_evicted)``). Mutates the manager; raises
-        KVCapacityError, changing nothing, when the steps do not fit."""
+        KVCapacityError, changing nothing, when the steps do not fit, and ValueError or
+        KeyError, changing nothing, for an entry ``commit_many`` would refuse by its
+        sequence or its count (checked at least against the slots after all the steps)."""
         ...
 
     def snapshot(self) -> tuple[Any, ...]:

@@ -188,7 +188,7 @@ def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
     decode blocks slices once per block; the views' own slicing re-checks the range
     twice)."""
     tokens = token_ids
-    if type(tokens) is not ArrayTokenIds:  # a sequence's own ids (step-by-step decode commits) skip the call
+    if type(tokens) is not ArrayTokenIds:  # a sequence's own ids (every commit entry's) skip the call
         tokens, start, stop = _unwrapped(token_ids, start, stop)
     if type(tokens) is ArrayTokenIds and start >= tokens._num_array:  # exact: see _unwrapped
         return tokens.tail[start - tokens._num_array : stop - tokens._num_array]
