@@ -286,7 +286,8 @@ class _StepRegistrations:
         """Add ``entries[start:]``, step ``step``'s commits (``seqs``: the index's states),
         up to the first that is no decode commit: one completing exactly the next block of
         a known sequence (counting its entries added before) whose last key is known, from
-        a block in its table. Such a sequence's entry completing no new block is skipped;
+        a block in its table, with that block's ids among its own (an entry counts its
+        ids: see ``CommitEntry``). Such a sequence's entry completing no new block is skipped;
         an unknown sequence, or one without a last key, stops it. Returns the position of
         the entry it stopped at, or ``len(entries)``. Mutates itself only."""
         bs = self.block_size
