@@ -152,8 +152,8 @@ class BlockKeyChain:
             hashes = np.empty(capacity, dtype=np.uint64)
             checks = np.empty(capacity, dtype=np.uint64)
             if n:  # (a chain's first keys, once per prompt, copy nothing)
-                hashes[:n] = self._hashes[:n]
-                checks[:n] = self._checks[:n]
+                hashes[:n] = self.hashes
+                checks[:n] = self.checks
             self._hashes, self._checks = hashes, checks
 
     def copy(self) -> BlockKeyChain:
@@ -186,7 +186,8 @@ def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
     equal to ``token_ids[start:stop]``: a decode block's ids are one slice of an
     ``ArrayTokenIds``' appended tail or of a list, also through a view (registering
     decode blocks slices once per block; the views' own slicing re-checks the range
-    twice)."""
+    twice, this does not). Of ids that are no view, a ``stop`` past them gives fewer, as
+    slicing does (a commit entry's batch reads that as a count past its ids)."""
     tokens = token_ids
     if type(tokens) is not ArrayTokenIds:  # a sequence's own ids (every commit entry's) skip the call
         tokens, start, stop = _unwrapped(token_ids, start, stop)
