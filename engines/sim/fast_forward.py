@@ -27,7 +27,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
-from itertools import repeat
 from typing import Any, ClassVar
 
 import numpy as np
@@ -130,17 +129,32 @@ class BatchColumns:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Carry:
     """What a run knew of its batch when it ended, for the next run over the same
-    sequences (``DecodeBatch``): rows by sequence id, the columns (lengths as of the
-    end) and the KV run."""
+    sequences (``DecodeBatch``): its sequence ids sorted (``sorted_ids``, int64 [seq]) and
+    the row of each (``rows_by_id``, int64 [seq]), the columns (lengths as of the end)
+    and the KV run. (Sorted arrays, not a dict by id: a run reads its rows with one
+    ``searchsorted`` instead of a Python call per sequence, and building a dict of a
+    batch cost about as much.)"""
 
-    rows: dict[int, int]
+    sorted_ids: np.ndarray
+    rows_by_id: np.ndarray
     columns: BatchColumns
     run: DecodeRun
 
     @classmethod
-    def of(cls, seq_ids: list[int], columns: BatchColumns, run: DecodeRun) -> _Carry:
-        """The carry of a batch of ``seq_ids`` (in row order). Pure."""
-        return cls(dict(zip(seq_ids, range(len(seq_ids)))), columns, run)
+    def of(cls, seq_ids: np.ndarray, columns: BatchColumns, run: DecodeRun) -> _Carry:
+        """The carry of a batch of ``seq_ids`` (int64 [seq], distinct, in row order). Pure."""
+        order = np.argsort(seq_ids)
+        return cls(seq_ids[order], order, columns, run)
+
+    def rows(self, seq_ids: np.ndarray) -> np.ndarray:
+        """The carried row of each of ``seq_ids`` (int64 [n]), -1 for a sequence the carried
+        batch did not hold. A new array. Pure."""
+        known = self.sorted_ids
+        if not len(known):
+            return np.full(len(seq_ids), -1, dtype=np.int64)
+        at = np.searchsorted(known, seq_ids)
+        np.minimum(at, len(known) - 1, out=at)  # past the last: compared below, unequal
+        return np.where(known[at] == seq_ids, self.rows_by_id[at], -1)
 
 
 class RunLog:
@@ -257,19 +271,20 @@ class FastForward:
         self._carry: _Carry | None = None
 
     def _columns_and_run(
-        self, batch: DecodeBatch, seq_ids: list[int], carry: _Carry | None
+        self, batch: DecodeBatch, seq_ids: list[int], id_array: np.ndarray, carry: _Carry | None
     ) -> tuple[BatchColumns, DecodeRun | None]:
         """The batch's columns and KV run (None: a copy-on-write ahead), carried from
         ``carry`` for the sequences it knew and the batch does not report changed, read
-        for the others. Mutates ``carry.rows`` and the stand-in key memo."""
+        for the others. ``id_array``: ``seq_ids`` as int64 [seq]. Mutates the stand-in
+        key memo."""
         pairs, kv, tokens = batch.pairs, self.kv, self.tokens
         if carry is None:
             return BatchColumns.read(pairs, tokens), kv.try_decode_run(seq_ids)
-        known = carry.rows
-        for group in batch.changed:
+        rows = carry.rows(id_array)
+        for group in batch.changed:  # a few groups: list.index beats a numpy call per id
             for seq in group.seqs:
-                known.pop(seq.seq_id, None)
-        rows = np.fromiter(map(known.get, seq_ids, repeat(-1)), dtype=np.int64, count=len(seq_ids))
+                if seq.seq_id in seq_ids:  # else it left the batch
+                    rows[seq_ids.index(seq.seq_id)] = -1
         fresh_at = (rows < 0).nonzero()[0]
         fresh = (
             BatchColumns.read([pairs[index] for index in fresh_at.tolist()], tokens)
@@ -318,7 +333,8 @@ class FastForward:
         pairs = batch.pairs
         seqs = [seq for _, seq in pairs]
         seq_ids = [seq.seq_id for seq in seqs]
-        columns, run = self._columns_and_run(batch, seq_ids, carry)
+        id_array = np.fromiter(seq_ids, np.int64, len(seq_ids))  # the carry's key
+        columns, run = self._columns_and_run(batch, seq_ids, id_array, carry)
         if run is None:
             return None  # a copy-on-write ahead: a normal step
         kv = self.kv
@@ -381,7 +397,9 @@ class FastForward:
                         end_s += durations[index + num]
                         num += 1
                     token_block = tokens[:, index : index + num]  # [seq, step]
-                    step_commits = scheduler.complete_decodes_many(pairs, token_block.tolist())
+                    step_commits = scheduler.complete_decodes_many(
+                        seqs, token_block.tolist(), commit_phases, offset
+                    )
                     reserved = run.advance_many(num, step_commits)
                     log.add_many(token_block, durations[index : index + num], reserved)
                     quiet -= num
@@ -398,7 +416,7 @@ class FastForward:
                     plan = scheduler.admit_after_decodes(pairs, run)
                     if plan is not None:
                         # The batch decodes this one step; the admitted groups are changes.
-                        self._carry = _Carry.of(seq_ids, columns.advanced(1), run)
+                        self._carry = _Carry.of(id_array, columns.advanced(1), run)
                         return self._admission_step(
                             pairs,
                             plan,
@@ -425,7 +443,7 @@ class FastForward:
                 start_s += duration_s
         # The next run carries the batch on from here (a step reserved but left to a
         # normal step, append_decodes' False, changes every group of the batch).
-        self._carry = _Carry.of(seq_ids, columns.advanced(offset), run)
+        self._carry = _Carry.of(id_array, columns.advanced(offset), run)
         # Sequences finish only in the run's last step (``finish_step``), once it is taken;
         # its tokens are the last window's column ``index - 1`` (the run ends in the window
         # where it reaches ``finish_step``).
