@@ -555,6 +555,7 @@ class BatchCheckingEngine(PagedEngine):
         assert (batch is None) == (expected is None)
         if batch is not None:
             assert batch.pairs == expected
+            assert batch.seqs == [seq for _, seq in expected]
             self.num_batches += 1
         self.scheduler.check()  # every running group not marked changed is decode-ready
         return super().step()

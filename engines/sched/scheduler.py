@@ -228,9 +228,11 @@ class DecodeBatch:
     previous batch was returned (joined ``running``, computed a chunk, took a token,
     forked; some may have left ``running`` since). A pair whose group is not in
     ``changed`` and that was in the previous batch has changed only through that
-    batch's decode-run calls: a caller may carry what it knew about it."""
+    batch's decode-run calls: a caller may carry what it knew about it. ``seqs``: the
+    pairs' sequences, in order."""
 
     pairs: list[tuple[SequenceGroup, Sequence]]
+    seqs: list[Sequence]
     changed: tuple[SequenceGroup, ...]
 
 
@@ -492,12 +494,20 @@ class Scheduler:
         for group in unchecked.values():
             if group.status is running_status and not is_decode_ready(group):
                 return None
-        pairs = [(group, seq) for group in self.running for seq in group.seqs]
+        running = self.running
+        if self._single_samples():
+            # Each group's one live sequence (num_running_seqs): one pass over the groups,
+            # the pairs zipped in C (a pass of its own per pair list cost half again).
+            seqs = [group.seqs[0] for group in running]
+            pairs = list(zip(running, seqs))
+        else:
+            pairs = [(group, seq) for group in running for seq in group.seqs]
+            seqs = [seq for _, seq in pairs]
         if len(pairs) > self.config.max_num_batched_tokens:
             return None
         changed = tuple(unchecked.values())
         unchecked.clear()
-        return DecodeBatch(pairs, changed)
+        return DecodeBatch(pairs, seqs, changed)
 
     def append_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun) -> bool:
         """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``)
