@@ -626,34 +626,29 @@ class Scheduler:
         return run.num_quiet_steps(guard, max_steps)
 
     def complete_decodes_many(
-        self, seqs: list[Sequence], token_rows: list[list[int]], commit_phases: np.ndarray, step: int
+        self, seqs: list[Sequence], token_rows: list[list[int]]
     ) -> list[list[StepCommit]]:
         """``complete_decodes`` for consecutive steps taken together: ``token_rows[i]`` holds
         the tokens sampled for ``seqs[i]`` (in decode state, as ``decode_batch`` returns
-        them), one per step, every row as long; ``commit_phases`` and ``step`` as for
-        ``complete_decodes`` (the run's steps completed before the first of these).
-        Appends the tokens and sets the computed counts now; returns, per step, the
-        commits it makes (``commit_many`` entries: sequence id, its token ids, how many
-        had their KV written then; in sequence order), for ``DecodeRun.advance_many`` to
-        make right after that step's slots are reserved, so that the prefix index sees each
-        step's drops before its registrations, as step by step. Mutates the sequences."""
+        them), one per step, every row as long. Appends them and sets the computed counts
+        now; returns, per step, the commits it makes (``commit_many`` entries: sequence id,
+        its token ids, how many had their KV written then; in sequence order), for
+        ``DecodeRun.advance_many`` to make right after that step's slots are reserved, so
+        that the prefix index sees each step's drops before its registrations, as step by
+        step. Mutates the sequences."""
         interval = self.kv.commit_interval
         num_steps = len(token_rows[0]) if token_rows else 0
         steps: list[list[StepCommit]] = [[] for _ in range(num_steps)]
-        # The first of these steps in which each sequence reaches a commit (then every
-        # interval steps): only those sequences are visited (one in bs per step).
-        firsts = (commit_phases - step) % interval
-        committing = (firsts < num_steps).nonzero()[0]
-        for index, first_step in zip(committing.tolist(), firsts[committing].tolist()):
-            seq = seqs[index]
+        # (A range per sequence: finding the committing ones with numpy costs more below
+        # about 60 sequences, a few numpy calls' fixed cost.)
+        for seq, row in zip(seqs, token_rows):
             tokens = seq.token_ids
             # Decode state: the sequence holds its computed tokens and one more.
             first = seq.num_computed_tokens + 1
-            for at in range(first_step, num_steps, interval):
+            tokens.extend(row)
+            for at in range(-first % interval, num_steps, interval):
                 steps[at].append((seq.seq_id, tokens, first + at))
-        for seq, row in zip(seqs, token_rows):
-            seq.token_ids.extend(row)
-            seq.num_computed_tokens += num_steps
+            seq.num_computed_tokens = first + num_steps - 1
         return steps
 
     def finish_decodes(

@@ -396,9 +396,7 @@ class FastForward:
                         end_s += durations[index + num]
                         num += 1
                     token_block = tokens[:, index : index + num]  # [seq, step]
-                    step_commits = scheduler.complete_decodes_many(
-                        seqs, token_block.tolist(), commit_phases, offset
-                    )
+                    step_commits = scheduler.complete_decodes_many(seqs, token_block.tolist())
                     reserved = run.advance_many(num, step_commits)
                     log.add_many(token_block, durations[index : index + num], reserved)
                     quiet -= num
