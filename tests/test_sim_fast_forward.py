@@ -15,6 +15,7 @@ import dataclasses
 import random
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import given, settings
@@ -603,3 +604,22 @@ def test_verify_carry_catches_a_carried_batch_that_is_off(monkeypatch):
     monkeypatch.setattr(fast_forward.BatchColumns, "advanced", lambda columns, num_steps: columns)
     with pytest.raises(AssertionError, match="carried batch columns differ"):
         test_chat_with_shared_prefixes_and_poisson_arrivals()
+
+
+@pytest.mark.parametrize(
+    ("carried", "asked", "expected"),
+    [
+        ([], [3, 1], [-1, -1]),  # nothing carried
+        ([7, 3, 5], [5, 7, 3], [2, 0, 1]),  # the same sequences, reordered
+        ([7, 3, 5], [1, 9, 4, 6], [-1, -1, -1, -1]),  # below the first, past the last, between
+        ([7, 3, 5], [3, 8, 7], [1, -1, 0]),
+    ],
+)
+def test_carry_rows_find_each_carried_sequence_and_only_those(carried, asked, expected):
+    """``_Carry.rows``: the row each id had in the carried batch, -1 for the others."""
+    from kvbench.engines.sim.fast_forward import _Carry
+
+    carry = _Carry.of(np.array(carried, dtype=np.int64), None, None)  # type: ignore[arg-type]
+    rows = carry.rows(np.array(asked, dtype=np.int64))
+    assert rows.dtype == np.int64
+    assert rows.tolist() == expected

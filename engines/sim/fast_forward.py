@@ -126,6 +126,11 @@ class BatchColumns:
         return all(np.array_equal(mine, theirs) for mine, theirs in zip(self.arrays(), other.arrays()))
 
 
+# Changed sequences a run clears from its carried rows one ``list.index`` scan each; past
+# this many, one pass over the batch (the scans would grow with the square of the batch).
+_FEW_CHANGED = 8
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Carry:
     """What a run knew of its batch when it ended, for the next run over the same
@@ -281,10 +286,16 @@ class FastForward:
         if carry is None:
             return BatchColumns.read(pairs, tokens), kv.try_decode_run(seq_ids)
         rows = carry.rows(id_array)
-        for group in batch.changed:  # a few groups: list.index beats a numpy call per id
-            for seq in group.seqs:
-                if seq.seq_id in seq_ids:  # else it left the batch
-                    rows[seq_ids.index(seq.seq_id)] = -1
+        changed = [seq.seq_id for group in batch.changed for seq in group.seqs]
+        if len(changed) <= _FEW_CHANGED:
+            for seq_id in changed:  # list.index: one C scan each, no numpy call
+                if seq_id in seq_ids:  # else it left the batch
+                    rows[seq_ids.index(seq_id)] = -1
+        else:  # e.g. every group after a normal step: one pass, not one scan per id
+            changed_ids = set(changed)
+            for index, seq_id in enumerate(seq_ids):
+                if seq_id in changed_ids:
+                    rows[index] = -1
         fresh_at = (rows < 0).nonzero()[0]
         fresh = (
             BatchColumns.read([pairs[index] for index in fresh_at.tolist()], tokens)
