@@ -620,6 +620,30 @@ def test_carry_rows_find_each_carried_sequence_and_only_those(carried, asked, ex
     from kvbench.engines.sim.fast_forward import _Carry
 
     carry = _Carry.of(np.array(carried, dtype=np.int64), None, None)  # type: ignore[arg-type]
-    rows = carry.rows(np.array(asked, dtype=np.int64))
+    rows = carry.rows(asked, np.array(asked, dtype=np.int64), ())
     assert rows.dtype == np.int64
+    assert rows.tolist() == expected
+
+
+@pytest.mark.parametrize("num_changed", [0, 1, 3, 8, 9, 20])
+def test_carry_rows_drop_the_sequences_of_changed_groups(num_changed):
+    """A changed group's sequences get -1 even when carried, on both of ``_Carry.rows``'
+    paths (a scan per id up to ``_FEW_CHANGED``, one pass through a set above); changed
+    groups that left the batch change nothing."""
+    from kvbench.engines.sched.sequence import SequenceGroup
+    from kvbench.engines.sim.fast_forward import _FEW_CHANGED, _Carry
+
+    assert 3 <= _FEW_CHANGED < 9  # the parametrisation straddles it
+    carried = list(range(100, 140))
+    carry = _Carry.of(np.array(carried, dtype=np.int64), None, None)  # type: ignore[arg-type]
+    asked = carried[::-1] + [7, 8]  # every carried sequence, reordered, and two new ones
+    # Changed groups: every third carried sequence, then one that left the batch.
+    changed_ids = carried[::3][: max(num_changed - 1, 0)] + [999] * min(num_changed, 1)
+    changed = [
+        SequenceGroup(Request(f"r{seq_id}", 0.0, [1, 2, 3], 4), 0, seq_id, 2) for seq_id in changed_ids
+    ]
+    rows = carry.rows(asked, np.array(asked, dtype=np.int64), changed)
+    expected = [
+        -1 if seq_id in changed_ids or seq_id not in carried else carried.index(seq_id) for seq_id in asked
+    ]
     assert rows.tolist() == expected

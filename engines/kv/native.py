@@ -511,6 +511,47 @@ def claim_fresh(seq_refs, claimed, block_ids, block_size, last_slots):  # pragma
 
 # ---------------------------------------------------------------------- decode runs
 @njit(cache=True, nogil=True)
+def decode_step(
+    st, counts, claimed, seq_refs, residues, lasts, num_steps, block_size, scratch
+):  # pragma: no cover
+    """One step of a decode run (``PagedDecodeRun.advance``) over its rows: row ``i`` holds
+    ``residues[i] + num_steps`` slots modulo ``block_size`` (int64 [rows]) and last block
+    ``lasts[i]`` (int64 [rows], distinct among partial ones). A row whose next slot lies in
+    its last block claims it in place (``claimed``: a sole holder overwrites stale claims).
+    The others ("crossing") go in row order to ``scratch[0, :k]`` (``scratch`` int64
+    [3, rows], the caller's); when the free list holds ``k`` blocks, each takes the next one
+    from its head (``_pop``: ref count 1, cached flag cleared) into ``scratch[1, :k]`` and
+    ``lasts``, with one claimed slot and its first block-table reference (``seq_refs``),
+    the cached ones among them going to ``scratch[2]`` in order; else none is taken.
+    Returns (slots claimed in place beyond the claims before, ``k``, cached blocks reused,
+    or -1 when fewer than ``k`` were free and nothing was taken)."""
+    num_rows = residues.shape[0]
+    added = 0
+    k = 0
+    for i in range(num_rows):
+        offset = (residues[i] + num_steps) % block_size
+        if offset:
+            b = lasts[i]
+            added += offset + 1 - claimed[b]
+            claimed[b] = offset + 1
+        else:
+            scratch[0, k] = i
+            k += 1
+    if k == 0:
+        return added, 0, 0
+    if counts[NUM_FREE] < k:
+        return added, k, -1
+    fresh = scratch[1]
+    num_reused = _pop(st, counts, k, fresh, 0, scratch[2], 0)
+    for j in range(k):
+        b = fresh[j]
+        claimed[b] = 1
+        seq_refs[b] = 1
+        lasts[scratch[0, j]] = b
+    return added, k, num_reused
+
+
+@njit(cache=True, nogil=True)
 def decode_takers(first_need, num_steps, block_size):  # pragma: no cover - compiled
     """The rows of a decode run that take a fresh block in each of ``num_steps`` steps,
     in step order, then row order (the order the pool hands blocks out, step by step):

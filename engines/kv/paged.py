@@ -808,7 +808,7 @@ class PagedDecodeRun:
     forking, swapping them) while the run is in use voids it.
     """
 
-    __slots__ = ("_kv", "_seqs", "_residues", "_lasts", "_at_boundary", "_num_steps")
+    __slots__ = ("_kv", "_seqs", "_residues", "_lasts", "_at_boundary", "_num_steps", "_scratch")
 
     def __init__(self, kv: PagedKVManager, seqs: list[_Seq], residues: np.ndarray, lasts: np.ndarray) -> None:
         """``residues``: each sequence's slots modulo the block size now; ``lasts``: its
@@ -822,6 +822,7 @@ class PagedDecodeRun:
         # _at_boundary[r]: how many sequences need a fresh block at step k with (-k) % bs == r.
         self._at_boundary: list[int] = np.bincount(residues, minlength=bs).tolist()
         self._num_steps = 0
+        self._scratch = np.empty((3, len(seqs)), dtype=np.int64)  # native.decode_step's
 
     @property
     def manager(self) -> PagedKVManager:
@@ -861,42 +862,44 @@ class PagedDecodeRun:
         block tables, the pool, which may evict cached blocks). Raises KVCapacityError,
         changing nothing, when ``can_advance`` is False."""
         kv = self._kv
-        bs = kv.block_size
         if not self.can_advance():
             raise KVCapacityError("decode run: no block left for the next slot (check can_advance)")
-        offsets = (self._residues + self._num_steps) % bs  # the slot each writes in its last block
-        in_place = offsets != 0
-        # In place (the precondition): distinct blocks, so one vectorised write; a sole
-        # holder overwrites stale claims. Order-free: only the slot count sums them.
-        lasts = self._lasts[in_place]
-        written = offsets[in_place] + 1
-        claimed = kv._claimed
-        kv._num_token_slots += int((written - claimed[lasts]).sum())
-        claimed[lasts] = written
+        pool = kv.pool
+        scratch = self._scratch
+        # In place (the precondition: distinct blocks) and, when the free list has them, the
+        # fresh blocks of the sequences crossing into one, in sequence order (the pool's
+        # order): what append(seq, 1) does for each, in one compiled pass.
+        added, num_fresh, num_reused = native.decode_step(
+            pool.state,
+            pool.counts,
+            kv._claimed,
+            kv._seq_refs,
+            self._residues,
+            self._lasts,
+            self._num_steps,
+            kv.block_size,
+            scratch,
+        )
+        kv._num_token_slots += added
         seqs = self._seqs
         for seq in seqs:
             seq.num_tokens += 1
-        # The others start a fresh block, in sequence order (the pool's order): what
-        # append(seq, 1) does for each, the in-place writes above touching no pool state.
-        crossing = (~in_place).nonzero()[0]
-        num_fresh = len(crossing)
-        if num_fresh and kv.pool.num_free >= num_fresh:
-            # No eviction in between: the blocks _grow(seq, 1) would take one by one, taken
-            # in one pool call (the same pops in the same order), each holding one slot.
-            fresh = kv.pool.allocate_array(num_fresh)
-            kv._claimed[fresh] = 1
-            kv._seq_refs[fresh] = 1
-            kv._num_blocks_in_use += num_fresh
-            kv._num_token_slots += num_fresh
-            self._lasts[crossing] = fresh
-            for index, block in zip(crossing.tolist(), fresh.tolist()):
-                seqs[index].block_ids.append(block)
-        else:
-            for index in crossing.tolist():
-                seq = seqs[index]
-                seq.num_tokens -= 1
-                kv._grow(seq, 1)
-                self._lasts[index] = seq.block_ids[-1]
+        if num_fresh:
+            crossing = scratch[0, :num_fresh].tolist()
+            if num_reused >= 0:
+                # No eviction in between: the blocks _grow(seq, 1) would take one by one,
+                # taken in one pop (the same blocks in the same order), each holding one slot.
+                pool.tell_reused(scratch[2, :num_reused])
+                kv._num_blocks_in_use += num_fresh
+                kv._num_token_slots += num_fresh
+                for index, block in zip(crossing, scratch[1, :num_fresh].tolist()):
+                    seqs[index].block_ids.append(block)
+            else:
+                for index in crossing:
+                    seq = seqs[index]
+                    seq.num_tokens -= 1
+                    kv._grow(seq, 1)
+                    self._lasts[index] = seq.block_ids[-1]
         self._num_steps += 1
 
     def num_quiet_steps(self, guard: AdmissionGuard | None, max_steps: int) -> int:

@@ -579,7 +579,7 @@ class BlockHashPrefixIndex:
             raise ValueError(
                 "BlockHashPrefixIndex.allocate_decode_steps: not the pool this index is bound to"
             )
-        num_blocks = int(needs.sum())
+        num_blocks = sum(needs.tolist())  # a span's few steps: ndarray.sum's call costs more
         if num_blocks > pool.num_free:
             raise MemoryError(
                 f"BlockHashPrefixIndex.allocate_decode_steps: {num_blocks} blocks, {pool.num_free} free"

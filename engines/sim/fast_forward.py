@@ -151,15 +151,31 @@ class _Carry:
         order = np.argsort(seq_ids)
         return cls(seq_ids[order], order, columns, run)
 
-    def rows(self, seq_ids: np.ndarray) -> np.ndarray:
-        """The carried row of each of ``seq_ids`` (int64 [n]), -1 for a sequence the carried
-        batch did not hold. A new array. Pure."""
+    def rows(
+        self, seq_ids: list[int], id_array: np.ndarray, changed: SequenceOf[SequenceGroup]
+    ) -> np.ndarray:
+        """The carried row of each of ``seq_ids`` (``id_array``: the same as int64 [n]), -1
+        for a sequence the carried batch did not hold or of a group in ``changed`` (whose
+        carried values may be stale). A new array. Pure."""
         known = self.sorted_ids
         if not len(known):
-            return np.full(len(seq_ids), -1, dtype=np.int64)
-        at = np.searchsorted(known, seq_ids)
+            return np.full(len(id_array), -1, dtype=np.int64)
+        at = np.searchsorted(known, id_array)
         np.minimum(at, len(known) - 1, out=at)  # past the last: compared below, unequal
-        return np.where(known[at] == seq_ids, self.rows_by_id[at], -1)
+        rows = np.where(known[at] == id_array, self.rows_by_id[at], -1)
+        if not changed:
+            return rows
+        changed_ids = [seq.seq_id for group in changed for seq in group.seqs]
+        if len(changed_ids) <= _FEW_CHANGED:
+            for seq_id in changed_ids:  # list.index: one C scan each, no numpy call
+                if seq_id in seq_ids:  # else it left the batch
+                    rows[seq_ids.index(seq_id)] = -1
+        else:  # e.g. every group after a normal step: one pass, not one scan per id
+            changed_set = set(changed_ids)
+            for index, seq_id in enumerate(seq_ids):
+                if seq_id in changed_set:
+                    rows[index] = -1
+        return rows
 
 
 class RunLog:
@@ -285,17 +301,7 @@ class FastForward:
         pairs, kv, tokens = batch.pairs, self.kv, self.tokens
         if carry is None:
             return BatchColumns.read(pairs, tokens), kv.try_decode_run(seq_ids)
-        rows = carry.rows(id_array)
-        changed = [seq.seq_id for group in batch.changed for seq in group.seqs]
-        if len(changed) <= _FEW_CHANGED:
-            for seq_id in changed:  # list.index: one C scan each, no numpy call
-                if seq_id in seq_ids:  # else it left the batch
-                    rows[seq_ids.index(seq_id)] = -1
-        else:  # e.g. every group after a normal step: one pass, not one scan per id
-            changed_ids = set(changed)
-            for index, seq_id in enumerate(seq_ids):
-                if seq_id in changed_ids:
-                    rows[index] = -1
+        rows = carry.rows(seq_ids, id_array, batch.changed)
         fresh_at = (rows < 0).nonzero()[0]
         fresh = (
             BatchColumns.read([pairs[index] for index in fresh_at.tolist()], tokens)
@@ -426,7 +432,7 @@ class FastForward:
                         # The batch decodes this one step; the admitted groups are changes.
                         self._carry = _Carry.of(id_array, columns.advanced(1), run)
                         return self._admission_step(
-                            pairs,
+                            batch,
                             plan,
                             counters0,
                             tokens[:, 0],
@@ -479,7 +485,7 @@ class FastForward:
 
     def _admission_step(
         self,
-        pairs: list[tuple[SequenceGroup, Sequence]],
+        batch: DecodeBatch,
         plan: SchedulerOutput,
         counters0: tuple[int, int, int],
         step_tokens: np.ndarray,
@@ -489,7 +495,7 @@ class FastForward:
         commit_phases: np.ndarray,
         candidates: list[int],
     ) -> StepOutput:
-        """Take a step in which the decode batch ``pairs`` (slots reserved) runs next to
+        """Take a step in which the decode batch ``batch`` (slots reserved) runs next to
         ``plan``, the admission ``Scheduler.admit_after_decodes`` planned, in the order a
         normal step completes it: the batch's commits and tokens (``step_tokens``, one per
         pair), the plan's chunks, the KV usage as executed, then the batch's finished
@@ -501,6 +507,7 @@ class FastForward:
         Returns the step as one covered step (the batch's tokens) with the plan's token
         events. Mutates the scheduler, KV manager, executor totals and stand-in keys."""
         scheduler, kv = self.scheduler, self.kv
+        pairs = batch.pairs
         # A plan after a decode batch only admits: nothing is swapped, nothing preempted.
         assert not plan.num_preemptions and all(not op.swap_in and not op.swap_out for op in plan.kv_ops)
         num_seqs = len(pairs)
@@ -511,7 +518,7 @@ class FastForward:
         )
         duration_s = self.executor.cost_model.duration_s(shape)
         tokens = step_tokens.tolist()
-        scheduler.complete_decodes([seq for _, seq in pairs], tokens, commit_phases, 0)
+        scheduler.complete_decodes(batch.seqs, tokens, commit_phases, 0)
         targets = scheduler.complete_step()
         usage = kv.usage()
         num_running = scheduler.num_running_seqs()
