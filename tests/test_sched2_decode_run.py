@@ -14,6 +14,8 @@ import random
 import numpy as np
 import pytest
 
+from kvbench.engines.kv import native
+from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
 from kvbench.engines.kv.protocol import KVCapacityError
@@ -196,3 +198,76 @@ def test_a_carried_run_must_come_from_the_same_manager():
     run = other.try_decode_run(_decodable(other, live))
     with pytest.raises(ValueError, match="previous is not a decode run of this manager"):
         m.try_decode_run(live, run, np.zeros(len(live), dtype=np.int64))
+
+
+def _decode_step_on(
+    pool: BlockPool, claimed: list[int], residues: list[int], lasts: list[int], num_steps: int
+):
+    """Run ``native.decode_step`` (block size 4) on a pool and fresh arrays; returns its
+    answer, the claims, the table references, the last blocks and the scratch."""
+    claimed_array = np.array(claimed, dtype=np.int64)
+    seq_refs = np.zeros(len(claimed), dtype=np.int64)
+    lasts_array = np.array(lasts, dtype=np.int64)
+    scratch = np.full((3, len(residues)), -7, dtype=np.int64)
+    answer = native.decode_step(
+        pool.state,
+        pool.counts,
+        claimed_array,
+        seq_refs,
+        np.array(residues, dtype=np.int64),
+        lasts_array,
+        num_steps,
+        BS,
+        scratch,
+    )
+    return tuple(map(int, answer)), claimed_array.tolist(), seq_refs.tolist(), lasts_array.tolist(), scratch
+
+
+def test_decode_step_claims_in_place_and_pops_fresh_blocks_for_the_crossing_rows():
+    """Exact scenario: rows 0 and 2 write in place (row 2 over a stale claim past its slot:
+    a negative change), rows 1 and 3 cross into fresh blocks taken from the free list's
+    head in row order; the cached one among them is reported, its flag cleared."""
+    pool = BlockPool(8)
+    held = pool.allocate_array(3).tolist()  # [0, 1, 2]: the rows' partial last blocks
+    pool.set_cached_many([3])  # the free list's head, cached
+    head = pool.free_blocks()[:2]
+    assert head == [3, 4]
+    claimed = [0] * 8
+    claimed[held[0]], claimed[held[1]] = 1, 4
+    claimed[held[2]] = 4  # stale: a freed fork sibling wrote ahead
+    # After 2 steps: row 0 holds 3 slots mod 4 (writes slot 3: claims 4, was 1), row 2
+    # holds 1 (claims 2, was 4), rows 1 and 3 hold 0 (crossing).
+    answer, claims, refs, lasts, scratch = _decode_step_on(
+        pool, claimed, [1, 2, 3, 2], [held[0], held[1], held[2], -1], 2
+    )
+    assert answer == ((4 - 1) + (2 - 4), 2, 1)
+    assert scratch[2, 0] == 3  # the cached block reused
+    assert scratch[0, :2].tolist() == [1, 3] and scratch[1, :2].tolist() == head
+    assert lasts == [held[0], head[0], held[2], head[1]]
+    assert [claims[b] for b in head] == [1, 1] and [refs[b] for b in head] == [1, 1]
+    assert claims[held[0]] == 4 and claims[held[2]] == 2
+    assert all(pool.ref_count(b) == 1 and not pool.is_cached(b) for b in head)
+    assert pool.num_free == 8 - 3 - 2
+    pool.check()
+
+
+def test_decode_step_takes_nothing_when_the_free_list_is_short_and_exactly_k_when_it_holds_k():
+    for num_free in (1, 2):
+        pool = BlockPool(3 + num_free)
+        held = pool.allocate_array(3).tolist()
+        free_before = pool.free_blocks()
+        answer, claims, refs, lasts, scratch = _decode_step_on(pool, [1] * (3 + num_free), [0, 3, 0], held, 0)
+        if num_free == 1:  # two crossing rows (0 and 2), one free block: nothing taken
+            assert answer == (4 - 1, 2, -1)
+            assert lasts == held and refs == [0] * 4 and pool.free_blocks() == free_before
+        else:
+            assert answer == (4 - 1, 2, 0)
+            assert lasts == [free_before[0], held[1], free_before[1]] and pool.num_free == 0
+        assert scratch[0, :2].tolist() == [0, 2]
+        pool.check()
+
+
+def test_decode_step_over_no_rows_changes_nothing():
+    pool = BlockPool(4)
+    answer, *_ = _decode_step_on(pool, [0] * 4, [], [], 5)
+    assert answer == (0, 0, 0) and pool.num_free == 4

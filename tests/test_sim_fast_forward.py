@@ -625,7 +625,7 @@ def test_carry_rows_find_each_carried_sequence_and_only_those(carried, asked, ex
     assert rows.tolist() == expected
 
 
-@pytest.mark.parametrize("num_changed", [0, 1, 3, 8, 9, 20])
+@pytest.mark.parametrize("num_changed", [0, 1, 3, 8, 9, 15])
 def test_carry_rows_drop_the_sequences_of_changed_groups(num_changed):
     """A changed group's sequences get -1 even when carried, on both of ``_Carry.rows``'
     paths (a scan per id up to ``_FEW_CHANGED``, one pass through a set above); changed

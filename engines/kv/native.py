@@ -513,7 +513,7 @@ def claim_fresh(seq_refs, claimed, block_ids, block_size, last_slots):  # pragma
 @njit(cache=True, nogil=True)
 def decode_step(
     st, counts, claimed, seq_refs, residues, lasts, num_steps, block_size, scratch
-):  # pragma: no cover
+):  # pragma: no cover - compiled
     """One step of a decode run (``PagedDecodeRun.advance``) over its rows: row ``i`` holds
     ``residues[i] + num_steps`` slots modulo ``block_size`` (int64 [rows]) and last block
     ``lasts[i]`` (int64 [rows], distinct among partial ones). A row whose next slot lies in
@@ -523,8 +523,9 @@ def decode_step(
     from its head (``_pop``: ref count 1, cached flag cleared) into ``scratch[1, :k]`` and
     ``lasts``, with one claimed slot and its first block-table reference (``seq_refs``),
     the cached ones among them going to ``scratch[2]`` in order; else none is taken.
-    Returns (slots claimed in place beyond the claims before, ``k``, cached blocks reused,
-    or -1 when fewer than ``k`` were free and nothing was taken)."""
+    Returns (the in-place claims' change in claimed slots: negative where a stale claim
+    past the slot is overwritten, ``k``, cached blocks reused or -1 when fewer than ``k``
+    were free and nothing was taken)."""
     num_rows = residues.shape[0]
     added = 0
     k = 0

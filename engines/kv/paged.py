@@ -822,7 +822,9 @@ class PagedDecodeRun:
         # _at_boundary[r]: how many sequences need a fresh block at step k with (-k) % bs == r.
         self._at_boundary: list[int] = np.bincount(residues, minlength=bs).tolist()
         self._num_steps = 0
-        self._scratch = np.empty((3, len(seqs)), dtype=np.int64)  # native.decode_step's
+        # int64 [3, seq] for native.decode_step: the rows crossing into a fresh block, the
+        # blocks they take, the cached ones among those.
+        self._scratch = np.empty((3, len(residues)), dtype=np.int64)
 
     @property
     def manager(self) -> PagedKVManager:
@@ -889,7 +891,8 @@ class PagedDecodeRun:
             if num_reused >= 0:
                 # No eviction in between: the blocks _grow(seq, 1) would take one by one,
                 # taken in one pop (the same blocks in the same order), each holding one slot.
-                pool.tell_reused(scratch[2, :num_reused])
+                if num_reused:  # a copy: the listener may keep it, the scratch is reused
+                    pool.tell_reused(scratch[2, :num_reused].copy())
                 kv._num_blocks_in_use += num_fresh
                 kv._num_token_slots += num_fresh
                 for index, block in zip(crossing, scratch[1, :num_fresh].tolist()):

@@ -20,6 +20,7 @@ Who holds what (the manager and the index share one ``BlockPool``):
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -323,6 +324,17 @@ class _StepRegistrations:
         return len(entries)
 
 
+def _int64_array(values: list[int]) -> np.ndarray:
+    """``values`` (integers) as a new int64 array. ``struct`` packs them in one C loop at
+    about half the instructions per value of ``np.fromiter`` (numpy's generic item setter
+    per value) or ``np.array`` (which first scans for nesting); decode registrations
+    convert ``4 + block_size`` values per block. Raises struct.error for a value that is
+    no integer or lies outside int64."""
+    out = np.empty(len(values), dtype=np.int64)
+    struct.pack_into(f"={len(values)}q", out, 0, *values)  # native order, 8-byte standard size
+    return out
+
+
 _NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
 # Its step buffers, shared by every call since nothing reads them: the two block arrays
 # are empty (nothing is written there) and the one count per step is scratch. Making
@@ -610,7 +622,6 @@ class BlockHashPrefixIndex:
         # uint64 [rows, 2]: each row's last key, as of its last entry once the call returns.
         lanes = np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2)
         taken, reused, reused_per_step = buffers
-        entries = steps.entries
         num_reused, registered = native.allocate_steps_registering(
             pool.state,
             pool.counts,
@@ -624,9 +635,7 @@ class BlockHashPrefixIndex:
             self._block_hash,
             self._block_check,
             block_multipliers(self._block_size),
-            # [entries, 4 + bs]; fromiter converts a flat list of Python ints with a quarter
-            # fewer instructions than np.array, which first scans it for nesting.
-            np.fromiter(entries, np.int64, len(entries)).reshape(-1, 4 + self._block_size),
+            _int64_array(steps.entries).reshape(-1, 4 + self._block_size),  # [entries, 4 + bs]
             lanes,
         )
         self._num_registered += registered
