@@ -581,3 +581,40 @@ def test_compiled_hash_table_equals_a_dict_of_live_registrations(prompts, num_bl
         m.free(seq_id)
         m.check()
         assert index.num_cached_blocks == len(model)
+
+
+def test_hash_index_last_keys_survive_slot_growth_release_and_reuse():
+    """Each tracked sequence's last key lives in a row of the index's table: 40 sequences
+    (the table starts at 16 rows and doubles), every third released, forks into the freed
+    rows, then commits on top. After each step every sequence's key still equals its
+    chain's (``check``) and equals that of a twin index that tracked it alone."""
+    pool, index = bound(BlockHashPrefixIndex(), num_blocks=512)
+    prompts = {seq_id: [seq_id % 7 + 1] * BS + [seq_id + 100] * (BS + seq_id % 3) for seq_id in range(40)}
+    tables = {}
+    for seq_id, tokens in prompts.items():
+        tables[seq_id] = pool.allocate_many(-(-len(tokens) // BS) + 1)
+        index.acquire(seq_id, NO_MATCH)
+        index.commit(seq_id, tokens, tables[seq_id], None)
+    index.check()
+    for seq_id in range(0, 40, 3):
+        index.release(seq_id)
+        del prompts[seq_id]
+    index.check()
+    for child, parent in zip(range(100, 110), (1, 2, 4, 5, 7, 8, 10, 11, 13, 14)):
+        index.fork(parent, child)
+        prompts[child] = list(prompts[parent])
+        # The child shares the parent's full blocks; the rest of its table is its own.
+        num_full = len(prompts[parent]) // BS
+        tables[child] = tables[parent][:num_full] + pool.allocate_many(len(tables[parent]) - num_full)
+    index.check()
+    for seq_id, tokens in prompts.items():
+        tokens += [seq_id + 1000] * (2 * BS - len(tokens) % BS)  # one or two more full blocks
+        if len(tables[seq_id]) < len(tokens) // BS:
+            tables[seq_id] += pool.allocate_many(len(tokens) // BS - len(tables[seq_id]))
+        index.commit(seq_id, tokens, tables[seq_id], None)
+    index.check()
+    for seq_id, tokens in prompts.items():
+        twin_pool, twin = bound(BlockHashPrefixIndex(), num_blocks=16)
+        twin.acquire(0, NO_MATCH)
+        twin.commit(0, tokens, twin_pool.allocate_many(len(tokens) // BS), None)
+        assert index.registration(seq_id) == twin.registration(0)

@@ -1,10 +1,11 @@
-"""The decode run's vectorised KV side against the plain per-sequence path.
+"""The decode run's compiled KV side against the plain per-sequence path.
 
 ``PagedKVManager.try_decode_run`` decides in one pass whether a batch may decode together
-(no copy-on-write ahead) and ``PagedDecodeRun.advance`` writes a step's in-place claims in one
-vectorised assignment. Both are compared here with appending one slot per sequence in
-order (``append``), on random managers with fork siblings, stale claims, cached blocks
-and every prefix index.
+(no copy-on-write ahead) and ``PagedDecodeRun.advance`` takes a step in one compiled pass
+(``native.decode_step``: the in-place claims, then the crossing sequences' fresh blocks).
+Both are compared here with appending one slot per sequence in order (``append``), on
+random managers with fork siblings, stale claims, cached blocks and every prefix index;
+exact scenarios pin ``native.decode_step`` itself.
 """
 
 from __future__ import annotations

@@ -248,37 +248,36 @@ _SLOTS_PER_BLOCK = 4  # hash table slots per pool block (a power of two at least
 
 
 class _SeqHashState:
-    """How far a sequence's full blocks are registered: ``num_blocks``, ``last_key`` (both
-    lanes of block ``num_blocks - 1``'s key, or the chain's start: what the next block's
-    key chains from) and its tokens' key chain, which may lag behind ``num_blocks``
-    (decode registrations key blocks without appending them to it). ``chain`` and
-    ``last_key`` are both None before the sequence's first commit when it was acquired
-    without one (a plain token list that matched nothing)."""
+    """How far a sequence's full blocks are registered: ``num_blocks``, its tokens' key
+    chain, which may lag behind ``num_blocks`` (decode registrations key blocks without
+    appending them to it), and ``slot``, its row of the index's ``_last_keys``: both lanes
+    of block ``num_blocks - 1``'s key, or the chain's start (what the next block's key
+    chains from), set while ``chain`` is not None. ``chain`` is None before the
+    sequence's first commit when it was acquired without one (a plain token list that
+    matched nothing)."""
 
-    __slots__ = ("num_blocks", "chain", "last_key")
+    __slots__ = ("num_blocks", "chain", "slot")
 
-    def __init__(self, num_blocks: int, chain: BlockKeyChain | None) -> None:
-        """``chain`` (None, or keyed up to at least ``num_blocks`` blocks) gives ``last_key``."""
+    def __init__(self, num_blocks: int, chain: BlockKeyChain | None, slot: int) -> None:
         self.num_blocks = num_blocks
         self.chain = chain
-        self.last_key = None if chain is None else chain.key_before(num_blocks)
+        self.slot = slot
 
 
 class _StepRegistrations:
     """Decode-block registrations gathered for ``native.allocate_steps_registering``: per
-    entry its step, its sequence's row, its block's position and id, then the block's
-    ``block_size`` ids (``entries``, flat: ``4 + block_size`` values an entry); per row
-    (sequence, in first-seen order) its state, last key (``lanes``, flat pairs) and
-    entries so far."""
+    entry its step, its sequence's slot (its row of the index's last keys), its block's
+    position and id, then the block's ``block_size`` ids (``entries``, flat:
+    ``4 + block_size`` values an entry); per row (sequence, in first-seen order) its state
+    and entries so far."""
 
-    __slots__ = ("block_size", "rows", "states", "num_entries", "lanes", "entries")
+    __slots__ = ("block_size", "rows", "states", "num_entries", "entries")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.rows: dict[int, int] = {}  # seq id -> row
         self.states: list[_SeqHashState] = []
         self.num_entries: list[int] = []
-        self.lanes: list[int] = []
         self.entries: list[int] = []
 
     def add_step(
@@ -286,10 +285,10 @@ class _StepRegistrations:
     ) -> int:
         """Add ``entries[start:]``, step ``step``'s commits (``seqs``: the index's states),
         up to the first that is no decode commit: one completing exactly the next block of
-        a known sequence (counting its entries added before) whose last key is known, from
+        a known sequence (counting its entries added before) that has a key chain, from
         a block in its table, with that block's ids among its own (an entry counts its
         ids: see ``CommitEntry``). Such a sequence's entry completing no new block is skipped;
-        an unknown sequence, or one without a last key, stops it. Returns the position of
+        an unknown sequence, or one without a key chain, stops it. Returns the position of
         the entry it stopped at, or ``len(entries)``. Mutates itself only."""
         bs = self.block_size
         rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
@@ -298,7 +297,7 @@ class _StepRegistrations:
             row = rows.get(seq_id)
             if row is None:
                 state = seqs.get(seq_id)
-                if state is None or state.last_key is None:
+                if state is None or state.chain is None:
                     return at
                 first = state.num_blocks
             else:
@@ -316,10 +315,9 @@ class _StepRegistrations:
                 row = rows[seq_id] = len(states)
                 states.append(state)
                 num_entries.append(1)
-                self.lanes += state.last_key
             else:
                 num_entries[row] += 1
-            flat += (step, row, first, block_ids[first])
+            flat += (step, state.slot, first, block_ids[first])
             flat += ids
         return len(entries)
 
@@ -374,6 +372,11 @@ class BlockHashPrefixIndex:
         self._block_check = np.zeros(0, dtype=np.uint64)  # per block: its key's lane 1 while registered
         self._num_registered = 0
         self._seqs: dict[int, _SeqHashState] = {}
+        # uint64 [slots, 2]: per tracked sequence (its state's slot) both lanes of its last
+        # key, the rows the compiled decode registrations read and write in place (a
+        # Python pair per sequence cost a conversion each way per call); free slots below.
+        self._last_keys = np.zeros((16, 2), dtype=np.uint64)
+        self._free_slots: list[int] = list(range(15, -1, -1))
         self._num_evicted_blocks = 0
         # Registrations dropped so far, and per block the count just after its latest drop
         # (0: never dropped): a match memo taken at count n lost block b iff
@@ -503,7 +506,7 @@ class BlockHashPrefixIndex:
             state = self._seq(seq_id)
             frontier = state.num_blocks
             if frontier <= last_position and (
-                frontier == 0 or state.last_key is None or state.last_key[0] == int(hashes[frontier - 1])
+                frontier == 0 or state.chain is None or self._last_keys[state.slot, 0] == hashes[frontier - 1]
             ):
                 return True
         return False
@@ -516,7 +519,7 @@ class BlockHashPrefixIndex:
             chain = None  # NO_MATCH: commit starts a chain
         elif not isinstance(chain, BlockKeyChain) or chain.block_size != self._block_size:
             raise ValueError(f"BlockHashPrefixIndex.acquire: seq {seq_id}: the match is not from this index")
-        self._seqs[seq_id] = _SeqHashState(len(match.block_ids), chain)
+        self._track(seq_id, len(match.block_ids), chain)
 
     def commit(
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None
@@ -535,8 +538,8 @@ class BlockHashPrefixIndex:
                 f"but its block table has only {len(block_ids)} blocks"
             )
         chain = state.chain
-        if chain is None:
-            chain = state.chain = self._chain(token_ids, extra_key)
+        if chain is None:  # the state takes it with its last key, below
+            chain = self._chain(token_ids, extra_key)
         chain.extend(token_ids, num_full)
         first = state.num_blocks
         new_blocks = np.array(block_ids[first:num_full], dtype=np.int64)
@@ -554,8 +557,9 @@ class BlockHashPrefixIndex:
             new_blocks,
             first,
         )
+        state.chain = chain
         state.num_blocks = num_full
-        state.last_key = chain.key_before(num_full)
+        self._last_keys[state.slot] = chain.key_before(num_full)
         return ()
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
@@ -585,8 +589,8 @@ class BlockHashPrefixIndex:
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """See ``PrefixIndex.allocate_decode_steps``: one compiled pass
         (``_register_in_steps``) when every entry completes exactly the next block of its
-        sequence (counting its earlier entries in the call), whose last registered key is
-        known, from a block already in its table; else None."""
+        sequence (counting its earlier entries in the call), which has a key chain, from a
+        block already in its table; else None."""
         if pool is not self._pool:
             raise ValueError(
                 "BlockHashPrefixIndex.allocate_decode_steps: not the pool this index is bound to"
@@ -619,8 +623,6 @@ class BlockHashPrefixIndex:
         states and buffers."""
         pool = self._bound_pool()
         self._version += 1
-        # uint64 [rows, 2]: each row's last key, as of its last entry once the call returns.
-        lanes = np.array(steps.lanes, dtype=np.uint64).reshape(-1, 2)
         taken, reused, reused_per_step = buffers
         num_reused, registered = native.allocate_steps_registering(
             pool.state,
@@ -636,12 +638,11 @@ class BlockHashPrefixIndex:
             self._block_check,
             block_multipliers(self._block_size),
             _int64_array(steps.entries).reshape(-1, 4 + self._block_size),  # [entries, 4 + bs]
-            lanes,
+            self._last_keys,  # each entry's slot chains from it, then holds the entry's key
         )
         self._num_registered += registered
-        for state, num_entries, (lane_0, lane_1) in zip(steps.states, steps.num_entries, lanes.tolist()):
+        for state, num_entries in zip(steps.states, steps.num_entries):
             state.num_blocks += num_entries
-            state.last_key = (lane_0, lane_1)
         pool.tell_reused(reused[:num_reused])  # the drops, as the pool's allocations would have told
         return taken, reused_per_step
 
@@ -650,12 +651,13 @@ class BlockHashPrefixIndex:
             raise ValueError(f"BlockHashPrefixIndex.fork: seq {child_seq_id} already tracked")
         parent = self._seq(parent_seq_id)
         # The copy shares every full block so far; the chains diverge from the next one.
-        child = self._seqs[child_seq_id] = _SeqHashState(parent.num_blocks, None)
-        child.chain = None if parent.chain is None else parent.chain.copy()
-        child.last_key = parent.last_key
+        child = self._track(child_seq_id, parent.num_blocks, None)
+        if parent.chain is not None:
+            child.chain = parent.chain.copy()
+            self._last_keys[child.slot] = self._last_keys[parent.slot]
 
     def release(self, seq_id: int) -> None:
-        self._seq(seq_id)
+        self._free_slots.append(self._seq(seq_id).slot)
         del self._seqs[seq_id]
 
     def evict(self, num_blocks: int) -> int:
@@ -688,13 +690,14 @@ class BlockHashPrefixIndex:
         assert int(self._dropped_at.max(initial=0)) <= self._num_drops, (
             f"a drop stamp {int(self._dropped_at.max())} after the {self._num_drops} drops counted"
         )
+        slots = [state.slot for state in self._seqs.values()]
+        assert sorted(slots + self._free_slots) == list(range(len(self._last_keys))), (
+            "last-key slots: a slot shared, lost or both taken and free"
+        )
         for seq_id, state in self._seqs.items():
-            assert (state.chain is None) == (state.last_key is None), (
-                f"seq {seq_id}: a key chain without a last key, or the reverse"
-            )
             # A chain keyed that far (it may lag: see _SeqHashState) must agree.
             if state.chain is not None and state.chain.num_blocks >= state.num_blocks:
-                assert state.last_key == state.chain.key_before(state.num_blocks), (
+                assert self._last_key(state) == state.chain.key_before(state.num_blocks), (
                     f"seq {seq_id}: last key differs from its chain's key of block {state.num_blocks - 1}"
                 )
 
@@ -709,7 +712,28 @@ class BlockHashPrefixIndex:
         its next block chains from (None before its first commit when it has no key chain
         yet). Pure; KeyError naming an unknown sequence."""
         state = self._seq(seq_id)
-        return state.num_blocks, state.last_key
+        return state.num_blocks, self._last_key(state)
+
+    def _last_key(self, state: _SeqHashState) -> tuple[int, int] | None:
+        """Both lanes of ``state``'s last key as Python ints; None without a key chain. Pure."""
+        if state.chain is None:
+            return None
+        lane_0, lane_1 = self._last_keys[state.slot].tolist()
+        return lane_0, lane_1
+
+    def _track(self, seq_id: int, num_blocks: int, chain: BlockKeyChain | None) -> _SeqHashState:
+        """Start tracking ``seq_id`` with ``num_blocks`` registered and ``chain`` (None, or
+        keyed up to at least ``num_blocks`` blocks: its key there is the last key) in a
+        free slot (the table doubles when none is left). Mutates the tracking and slots."""
+        free = self._free_slots
+        if not free:
+            num_slots = len(self._last_keys)
+            self._last_keys = np.concatenate([self._last_keys, np.zeros_like(self._last_keys)])
+            free.extend(range(2 * num_slots - 1, num_slots - 1, -1))
+        state = self._seqs[seq_id] = _SeqHashState(num_blocks, chain, free.pop())
+        if chain is not None:
+            self._last_keys[state.slot] = chain.key_before(num_blocks)
+        return state
 
     def _on_blocks_reused(self, block_ids: np.ndarray) -> None:
         # The pool is about to overwrite these cached-free blocks (lazy eviction). It has
