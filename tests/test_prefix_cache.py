@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.kv.prefix_cache import NO_MATCH, BlockHashPrefixIndex, NullPrefixIndex, PrefixIndex
+from kvbench.engines.kv.prefix_cache import (
+    NO_MATCH,
+    BlockHashPrefixIndex,
+    NullPrefixIndex,
+    PrefixIndex,
+    PrefixMatch,
+)
 from kvbench.engines.kv.radix_cache import RadixPrefixIndex
 from kvbench.engines.kv.token_ids import (
     ArrayTokenIds,
@@ -145,6 +151,13 @@ def test_hash_index_misuse():
         index.commit(0, list(range(8)), [0], None)
     with pytest.raises(ValueError, match="already tracked"):
         index.fork(0, 0)
+    # A match whose chain is keyed short of its blocks: refused, nothing tracked.
+    short = PrefixMatch(2 * BS, (0, 1), 0, handle=BlockKeyChain(BS, None))
+    with pytest.raises(IndexError):
+        index.acquire(1, short)
+    with pytest.raises(KeyError, match="unknown seq 1"):
+        index.registration(1)
+    index.check()
 
 
 def test_hash_index_check_detects_a_stale_cached_flag():
@@ -583,12 +596,14 @@ def test_compiled_hash_table_equals_a_dict_of_live_registrations(prompts, num_bl
         assert index.num_cached_blocks == len(model)
 
 
-def test_hash_index_last_keys_survive_slot_growth_release_and_reuse():
+def test_hash_index_last_keys_survive_slot_growth_release_and_reuse(monkeypatch):
     """Each tracked sequence's last key lives in a row of the index's table: 40 sequences
     (the table starts at 16 rows and doubles), every third released, forks into the freed
-    rows, then commits on top. After each step every sequence's key still equals its
-    chain's (``check``) and equals that of a twin index that tracked it alone."""
-    pool, index = bound(BlockHashPrefixIndex(), num_blocks=512)
+    rows, plain commits on top, then two rounds of decode commits (the compiled path,
+    which chains each from its row in place). ``check`` (every key equals its chain's)
+    after each phase; at the end every sequence's registration equals that of a twin
+    index that tracked it alone."""
+    pool, index = bound(BlockHashPrefixIndex(), num_blocks=1024)
     prompts = {seq_id: [seq_id % 7 + 1] * BS + [seq_id + 100] * (BS + seq_id % 3) for seq_id in range(40)}
     tables = {}
     for seq_id, tokens in prompts.items():
@@ -613,6 +628,16 @@ def test_hash_index_last_keys_survive_slot_growth_release_and_reuse():
             tables[seq_id] += pool.allocate_many(len(tokens) // BS - len(tables[seq_id]))
         index.commit(seq_id, tokens, tables[seq_id], None)
     index.check()
+    assert len(prompts) > 16  # so rows past the table's first 16 are in use
+    monkeypatch.setattr(index, "commit", lambda *args: pytest.fail("a decode entry took the plain path"))
+    for round_ in range(2):
+        entries = []
+        for seq_id, tokens in prompts.items():
+            tokens += [seq_id + 2000 + round_] * BS  # exactly the next full block
+            tables[seq_id] += pool.allocate_many(len(tokens) // BS - len(tables[seq_id]))
+            entries.append((seq_id, tokens, len(tokens), tables[seq_id], None))
+        index.commit_many(entries)
+        index.check()
     for seq_id, tokens in prompts.items():
         twin_pool, twin = bound(BlockHashPrefixIndex(), num_blocks=16)
         twin.acquire(0, NO_MATCH)

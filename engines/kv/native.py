@@ -362,9 +362,10 @@ def allocate_steps_registering(
     keyed and registered in order (``commit_many`` is one step with no blocks taken).
     Entry ``e`` keys its block, block ``position`` of its sequence, from ``entries[e,
     4:]`` as ``kvbench.hashing.chained_block_keys_into`` keys it, chained from
-    its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, updated as its
-    entries are keyed, so a sequence's entries chain in order and each row ends at its
-    last entry's key); each step's entries are then registered by one ``register_run``
+    its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, one row per
+    sequence, never shared; updated as its entries are keyed, so a sequence's entries
+    chain in order and each row ends at its last entry's key; rows no entry names are
+    left as they are); each step's entries are then registered by one ``register_run``
     call, in order. Returns (how many of the blocks taken were cached, how many blocks were
     registered). Raises ValueError, changing nothing, when an output does not fit
     ``needs`` (``_check_step_buffers``)."""

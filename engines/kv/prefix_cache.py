@@ -275,7 +275,7 @@ class _StepRegistrations:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.rows: dict[int, int] = {}  # seq id -> row
+        self.rows: dict[int, int] = {}  # seq id -> row of states / num_entries (not its slot)
         self.states: list[_SeqHashState] = []
         self.num_entries: list[int] = []
         self.entries: list[int] = []
@@ -616,10 +616,10 @@ class BlockHashPrefixIndex:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Take ``needs[t]`` blocks per step ``t`` (int64 [steps]) into ``buffers``
         (``native.step_buffers`` for them) and key and register ``steps``' entries after
-        their steps, in one compiled pass (``native.allocate_steps_registering``); the
-        states count the blocks and take their last keys (the chains are left behind:
-        see ``BlockKeyChain``), and the pool's reuse listener hears of the cached blocks
-        taken. Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index,
+        their steps, in one compiled pass (``native.allocate_steps_registering``), which
+        writes each sequence's last key into its slot of ``_last_keys`` (the chains are
+        left behind: see ``BlockKeyChain``); the states count the blocks, and the pool's
+        reuse listener hears of the cached blocks taken. Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index,
         states and buffers."""
         pool = self._bound_pool()
         self._version += 1
@@ -725,14 +725,15 @@ class BlockHashPrefixIndex:
         """Start tracking ``seq_id`` with ``num_blocks`` registered and ``chain`` (None, or
         keyed up to at least ``num_blocks`` blocks: its key there is the last key) in a
         free slot (the table doubles when none is left). Mutates the tracking and slots."""
+        key = None if chain is None else chain.key_before(num_blocks)  # may raise: nothing changed yet
         free = self._free_slots
         if not free:
             num_slots = len(self._last_keys)
             self._last_keys = np.concatenate([self._last_keys, np.zeros_like(self._last_keys)])
             free.extend(range(2 * num_slots - 1, num_slots - 1, -1))
         state = self._seqs[seq_id] = _SeqHashState(num_blocks, chain, free.pop())
-        if chain is not None:
-            self._last_keys[state.slot] = chain.key_before(num_blocks)
+        if key is not None:
+            self._last_keys[state.slot] = key
         return state
 
     def _on_blocks_reused(self, block_ids: np.ndarray) -> None:
