@@ -619,8 +619,8 @@ class BlockHashPrefixIndex:
         their steps, in one compiled pass (``native.allocate_steps_registering``), which
         writes each sequence's last key into its slot of ``_last_keys`` (the chains are
         left behind: see ``BlockKeyChain``); the states count the blocks, and the pool's
-        reuse listener hears of the cached blocks taken. Returns ``BlockPool.allocate_steps``' result. Mutates the pool, index,
-        states and buffers."""
+        reuse listener hears of the cached blocks taken. Returns
+        ``BlockPool.allocate_steps``' result. Mutates the pool, index, states and buffers."""
         pool = self._bound_pool()
         self._version += 1
         taken, reused, reused_per_step = buffers
@@ -653,6 +653,7 @@ class BlockHashPrefixIndex:
         # The copy shares every full block so far; the chains diverge from the next one.
         child = self._track(child_seq_id, parent.num_blocks, None)
         if parent.chain is not None:
+            # The row, not the copied chain's key: the chain may lag behind num_blocks.
             child.chain = parent.chain.copy()
             self._last_keys[child.slot] = self._last_keys[parent.slot]
 
