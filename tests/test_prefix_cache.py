@@ -56,6 +56,32 @@ def test_null_index_never_matches_and_keeps_nothing():
     m.check()
 
 
+def test_hash_index_matches_hold_their_blocks_as_the_memos_array():
+    """A block-hash match keeps its blocks as the index's int64 array (a long match is never
+    turned into Python ints on the hot path); every reading agrees with the tuple form,
+    and a match compares equal to one holding the same blocks as a tuple."""
+    pool, index = bound(BlockHashPrefixIndex())
+    blocks = pool.allocate_many(3)
+    index.acquire(0, NO_MATCH)
+    tokens = KeyedTokenIds([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    index.commit(0, tokens, blocks, None)
+    match = index.match(tokens, None)
+    assert isinstance(match.blocks, np.ndarray) and match.blocks.dtype == np.int64
+    assert match.block_id_array() is match.blocks  # the index's own: no copy
+    assert (match.num_blocks, match.block_ids, int(match.blocks[-1])) == (2, (0, 1), 1)
+    assert match == PrefixMatch(8, (0, 1), 0, handle=tokens.key_chain)
+    assert match != PrefixMatch(8, (0, 2), 0, handle=tokens.key_chain)
+    as_tuple = PrefixMatch(8, (0, 1))
+    assert as_tuple.num_blocks == 2 and as_tuple.block_id_array().tolist() == [0, 1]
+    # The memo's answer holds the same array, cut when a block is reused.
+    assert index.match(tokens, None).blocks is match.blocks
+    index.release(0)
+    pool.free_many(blocks)
+    pool.allocate_many(pool.num_free)  # every cached block reused: its registration dropped
+    assert index.match(tokens, None).num_blocks == 0
+    index.check()
+
+
 def test_hash_index_registers_only_full_blocks_and_chains_them():
     pool, index = bound(BlockHashPrefixIndex())
     blocks = pool.allocate_many(3)

@@ -260,7 +260,7 @@ class PagedKVManager(SeqTable):
         match = self._fitting_match(token_ids, num_new_tokens, extra_key)
         if match is None:
             match = self.prefix_index.match(token_ids, extra_key)
-            need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
+            need = self._num_blocks_needed(match.num_tokens, match.blocks, num_new_tokens, held=False)
             raise KVCapacityError(
                 f"allocate: seq {seq_id} needs {need} blocks, "
                 f"{self.num_allocatable_blocks - match.num_blocks_taken} allocatable"
@@ -693,7 +693,7 @@ class PagedKVManager(SeqTable):
         return match if self._match_fits(match, num_new_tokens) else None
 
     def _match_fits(self, match: PrefixMatch, num_new_tokens: int) -> bool:
-        need = self._num_blocks_needed(match.num_tokens, match.block_ids, num_new_tokens, held=False)
+        need = self._num_blocks_needed(match.num_tokens, match.blocks, num_new_tokens, held=False)
         return need <= self.num_allocatable_blocks - match.num_blocks_taken
 
     def _num_blocks_needed(self, num_tokens: int, block_ids: Sequence[int], num_new: int, held: bool) -> int:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -38,35 +39,57 @@ from kvbench.hashing import block_multipliers
 CommitEntry = tuple[int, Sequence[int], int, Sequence[int], str | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PrefixMatch:
     """The cached prefix found for a token sequence (a pure query result).
 
-    ``block_ids[i]`` holds positions ``[i * block_size, (i + 1) * block_size)``; the last one
+    ``blocks[i]`` holds positions ``[i * block_size, (i + 1) * block_size)``; the last one
     may be only partly covered when ``num_tokens`` is not block aligned (radix index).
-    ``num_blocks_taken`` is how many blocks attaching the match removes from what new
-    allocations can draw on (cached-free blocks revived from the free list, reclaimable
-    blocks pinned by locks); the manager subtracts it when checking capacity.
-    ``handle`` is private to the index that produced the match. ``block_array``: the
-    index's own int64 copy of ``block_ids`` when it keeps one (read only), else None; read
-    it through ``block_id_array``.
+    ``blocks`` is a tuple or the index's own int64 array (read only: the index's memo
+    shares it), so that a long match is never converted to Python ints on the hot path:
+    read it through ``num_blocks``, ``blocks[-1]``, ``block_id_array()``, or ``block_ids``
+    (a tuple, built on first read). ``num_blocks_taken`` is how many blocks attaching the
+    match removes from what new allocations can draw on (cached-free blocks revived from
+    the free list, reclaimable blocks pinned by locks); the manager subtracts it when
+    checking capacity. ``handle`` is private to the index that produced the match.
     """
 
     num_tokens: int
-    block_ids: tuple[int, ...]
+    blocks: tuple[int, ...] | np.ndarray
     num_blocks_taken: int = 0
     handle: Any = None
-    block_array: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @cached_property
+    def block_ids(self) -> tuple[int, ...]:
+        """The blocks as a tuple of ints (built once). Pure."""
+        blocks = self.blocks
+        return tuple(blocks.tolist()) if isinstance(blocks, np.ndarray) else blocks
 
     def block_id_array(self) -> np.ndarray:
-        """``block_ids`` as int64 [len(block_ids)]: the index's array when it gave one (do
-        not write to it), else a new one. Pure."""
-        if self.block_array is not None:
-            return self.block_array
-        return np.array(self.block_ids, dtype=np.int64)
+        """The blocks as int64 [num_blocks]: the index's array when it gave one (do not
+        write to it), else a new one. Pure."""
+        blocks = self.blocks
+        if isinstance(blocks, np.ndarray):
+            return blocks
+        return np.array(blocks, dtype=np.int64)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal fields, the blocks compared as ints whichever form holds them."""
+        if not isinstance(other, PrefixMatch):
+            return NotImplemented
+        return (self.num_tokens, self.block_ids, self.num_blocks_taken, self.handle) == (
+            other.num_tokens,
+            other.block_ids,
+            other.num_blocks_taken,
+            other.handle,
+        )
 
 
-NO_MATCH = PrefixMatch(num_tokens=0, block_ids=())
+NO_MATCH = PrefixMatch(num_tokens=0, blocks=())
 
 
 @runtime_checkable
@@ -433,23 +456,22 @@ class BlockHashPrefixIndex:
         ):
             # Nothing it read changed: the memo's answer (as built at the end).
             if self._answer.handle is not chain:
-                blocks = chain.match_blocks
-                self._answer = PrefixMatch(
-                    len(blocks) * bs, blocks, chain.match_num_taken, chain, chain.match_array
-                )
+                array = chain.match_array
+                self._answer = PrefixMatch(len(array) * bs, array, chain.match_num_taken, chain)
             return self._answer
-        blocks: tuple[int, ...] = ()
-        array = NO_BLOCK_IDS  # blocks as int64 [len(blocks)], for the compiled counts
+        # The matched blocks, int64 [matched]: never converted to Python ints here (a
+        # long conversation's match holds thousands).
+        array = NO_BLOCK_IDS
         num_taken: int | None = 0
         if chain.match_owner is self:
-            blocks, array = chain.match_blocks, chain.match_array
+            array = chain.match_array
             num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else None
-            valid = min(len(blocks), num_full)
+            valid = min(len(array), num_full)
             if valid and self._num_drops != chain.match_num_drops:
                 valid = native.first_dropped(self._dropped_at, array, valid, chain.match_num_drops)
-            if valid < len(blocks):
-                blocks, array, num_taken = blocks[:valid], array[:valid], None
-        if len(blocks) < num_full:
+            if valid < len(array):
+                array, num_taken = array[:valid], None
+        if len(array) < num_full:
             chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
             run = native.lookup_run(
                 self._keys,
@@ -459,29 +481,28 @@ class BlockHashPrefixIndex:
                 self._block_check,
                 chain.hashes,
                 chain.checks,
-                len(blocks),
+                len(array),
                 num_full,
             )
             if len(run):
                 if num_taken is not None:
                     num_taken += pool.num_unreferenced(run)
-                blocks = blocks + tuple(run.tolist())
                 array = np.concatenate([array, run]) if len(array) else run
         if num_taken is None:
             num_taken = pool.num_unreferenced(array)  # cached-free blocks revived from the free list
-        chain.match_owner, chain.match_blocks, chain.match_array = self, blocks, array
+        chain.match_owner, chain.match_array = self, array
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
         chain.match_num_drops = self._num_drops
         chain.match_version = self._version
         chain.match_num_full = num_full
-        if not blocks:
+        if not len(array):
             if not isinstance(token_ids, KeyCarrier):
                 return NO_MATCH
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
             self._answer = PrefixMatch(0, (), 0, handle=chain)
         else:
-            self._answer = PrefixMatch(len(blocks) * bs, blocks, num_taken, chain, array)
+            self._answer = PrefixMatch(len(array) * bs, array, num_taken, chain)
         return self._answer
 
     def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
@@ -496,7 +517,7 @@ class BlockHashPrefixIndex:
         cannot be ruled out; in simulation it needs another request's stand-in outputs in a
         prompt). ``k`` is at most the matched blocks, less one for a whole match (every
         block a match may hold: no frontier), which can only grow back."""
-        num_matched = len(self.match(token_ids, extra_key).block_ids)
+        num_matched = self.match(token_ids, extra_key).num_blocks
         whole = num_matched >= max(len(token_ids) - 1, 0) // self._block_size
         last_position = num_matched - 1 if whole else num_matched  # the largest k
         chain = self._chain(token_ids, extra_key)  # the memo's chain (a KeyCarrier's) or a new one
@@ -515,11 +536,11 @@ class BlockHashPrefixIndex:
         if seq_id in self._seqs:
             raise ValueError(f"BlockHashPrefixIndex.acquire: seq {seq_id} already tracked")
         chain = match.handle
-        if chain is None and not match.block_ids:
+        if chain is None and not match.num_blocks:
             chain = None  # NO_MATCH: commit starts a chain
         elif not isinstance(chain, BlockKeyChain) or chain.block_size != self._block_size:
             raise ValueError(f"BlockHashPrefixIndex.acquire: seq {seq_id}: the match is not from this index")
-        self._track(seq_id, len(match.block_ids), chain)
+        self._track(seq_id, match.num_blocks, chain)
 
     def commit(
         self, seq_id: int, token_ids: Sequence[int], block_ids: Sequence[int], extra_key: str | None

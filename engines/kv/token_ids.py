@@ -65,7 +65,6 @@ class BlockKeyChain:
         "_checks",
         "last_key",
         "match_owner",
-        "match_blocks",
         "match_array",
         "match_num_taken",
         "match_ref_version",
@@ -86,9 +85,9 @@ class BlockKeyChain:
         # any block: what the next block's key is chained from.
         self.last_key: tuple[int, int] = _start_key(extra_key)
         self.match_owner: object | None = None  # the index the memo belongs to
-        self.match_blocks: tuple[int, ...] = ()  # matched blocks of the last match, in order
-        self.match_array = NO_BLOCK_IDS  # match_blocks as int64 [len(match_blocks)]
-        self.match_num_taken = 0  # unreferenced blocks among match_blocks then
+        # The last match's blocks, in order, int64 [matched] (read only: answers share it).
+        self.match_array = NO_BLOCK_IDS
+        self.match_num_taken = 0  # unreferenced blocks among them then
         self.match_ref_version = -1  # the pool's ref_version then
         self.match_num_drops = 0  # the index's cumulative dropped registrations then
         # The memo is the answer as it stands while the index's version (bumped by every
