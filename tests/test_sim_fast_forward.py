@@ -155,6 +155,25 @@ def test_small_pool_preempts_and_blocks_admission():
     )
 
 
+def test_unchunked_prompts_wait_for_a_decoding_batch_as_stepping():
+    """Without chunked prefill a prompt longer than the budget left waits while any other
+    piece is planned: prompts of up to the whole budget arrive while batches decode (a
+    run's admission step plans its batch's decodes outside the scheduler's piece list,
+    ``admit_after_decodes``), samples fork after the prefill, and both paths agree."""
+    workload = random_requests(
+        16,
+        {"kind": "uniform", "low": 40, "high": 64},
+        {"kind": "uniform", "low": 10, "high": 60},
+        {"kind": "poisson", "rate_per_s": 40.0},
+        vocab_size=SPEC.vocab_size,
+        seed=3,
+        n=2,
+        temperature=1.0,
+    )
+    params = {"num_blocks": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64, "chunked_prefill": False}
+    assert_identical(workload, min_covered_share=0.3, **params)
+
+
 @pytest.mark.parametrize("prefix_cache", ["block_hash", "radix", "none"])
 def test_mooncake_head_fixture(prefix_cache, monkeypatch):
     # Count the steps runs reserved together (quiet steps: the head could not start).

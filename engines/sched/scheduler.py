@@ -277,6 +277,10 @@ class Scheduler:
         self._finished: list[FinishedRequest] = []
         # Per-step planning state.
         self._pieces: list[_Piece] = []
+        # Decode pieces planned outside ``_pieces``: a decode run's batch, whose caller
+        # completes it (``admit_after_decodes``). They count as planned (admission reads
+        # whether anything is: ``_has_pieces``) but make no chunks.
+        self._num_outside_pieces = 0
         self._ops: list[KVOps] = []
         self._budget = 0
         self._num_preemptions = 0
@@ -430,29 +434,28 @@ class Scheduler:
 
     def _begin_plan(self) -> None:
         self._pieces = []
+        self._num_outside_pieces = 0
         self._ops = []
         self._budget = self.config.max_num_batched_tokens
         self._num_preemptions = 0
 
-    def _finish_plan(self, first_piece: int = 0) -> SchedulerOutput:
+    def _finish_plan(self) -> SchedulerOutput:
         """The rest of ``schedule`` once running groups have their tokens: swap-in, admission.
-
-        Pieces before ``first_piece`` (a decode run's batch, see ``admit_after_decodes``)
-        are planned but left out of the output and of ``complete_step``: their caller
-        completes them."""
+        Pieces planned outside ``_pieces`` (a decode run's batch, see ``admit_after_decodes``)
+        are left out of the output and of ``complete_step``: their caller completes them."""
         first_scheduled: list[str] = []
         rejected, self._pending_rejections = self._pending_rejections, []
         if self._num_preemptions == 0:
             self._swap_in_groups()
         if self._num_preemptions == 0 and not self.swapped:
             self._admit_waiting(first_scheduled)
-        if not self._pieces and not self.running and self.swapped:
+        if not self._has_pieces() and not self.running and self.swapped:
             self._unblock_swapped(first_scheduled)
 
-        if not self._pieces and not self.running:
+        if not self._has_pieces() and not self.running:
             rejected.extend(self._reject_stuck_head())
 
-        chunks, num_prefill, num_decode, num_recomputed = self._finalize_pieces(first_piece)
+        chunks, num_prefill, num_decode, num_recomputed = self._finalize_pieces()
         return SchedulerOutput(
             chunks=chunks,
             kv_ops=tuple(self._ops),
@@ -519,7 +522,7 @@ class Scheduler:
         the next ``schedule`` call and returns False. Mutates the KV manager (appends) and,
         on False, whatever admission does.
         """
-        plan = self._plan_after_decodes(pairs, run, 0)
+        plan = self._plan_after_decodes(pairs, run, outside=False)
         if plan is None:
             return True
         self._prepared = plan
@@ -534,22 +537,26 @@ class Scheduler:
         after these decodes), whose chunks, counts and ``complete_step`` targets leave out
         the batch. Complete it with ``complete_decodes`` then ``complete_step``, the order
         in which ``complete_step`` commits a whole step. Mutates what ``append_decodes`` does."""
-        return self._plan_after_decodes(pairs, run, len(pairs))
+        return self._plan_after_decodes(pairs, run, outside=True)
 
     def _plan_after_decodes(
-        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, first_piece: int
+        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, outside: bool
     ) -> SchedulerOutput | None:
         """Reserve the batch's decode slots through ``run``; None when no waiting group could
-        start in the step, else the step's plan (``_finish_plan(first_piece)``)."""
+        start in the step, else the step's plan (``_finish_plan``), whose pieces include the
+        batch's unless ``outside`` (its caller completes them)."""
         run.advance()
         budget = self.config.max_num_batched_tokens - len(pairs)
         if not self._head_may_start(budget):
             return None
         self._begin_plan()
         # The batch's pieces stay planned: admission reads whether any piece is planned.
-        self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
+        if outside:
+            self._num_outside_pieces = len(pairs)  # no tuple per sequence: most runs' step
+        else:
+            self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
         self._budget = budget
-        return self._finish_plan(first_piece)
+        return self._finish_plan()
 
     def complete_decodes(
         self, seqs: list[Sequence], token_ids: SequenceOf[int], commit_phases: np.ndarray, step: int
@@ -731,7 +738,7 @@ class Scheduler:
             return min(remaining, self._budget)
         # Without chunking a prefill runs whole; one larger than the budget (a recompute
         # of prompt + outputs) may run alone in an otherwise empty step.
-        if remaining <= self._budget or not self._pieces:
+        if remaining <= self._budget or not self._has_pieces():
             return remaining
         return 0
 
@@ -880,6 +887,10 @@ class Scheduler:
             tokens = seq.token_ids
             kv.commit(seq.seq_id, prefix_of(tokens, end))
 
+    def _has_pieces(self) -> bool:
+        """Whether any piece is planned in this step (its batch's included). Pure."""
+        return bool(self._pieces) or self._num_outside_pieces > 0
+
     def _add_piece(self, group: SequenceGroup, seq: Sequence, start: int, num_tokens: int) -> None:
         self._pieces.append((group, seq, start, num_tokens))
         self._budget -= num_tokens
@@ -1008,7 +1019,7 @@ class Scheduler:
             salt = group.request.cache_salt
             admitted: list[Sequence] = []
             for seq in group.seqs:
-                num_tokens = self._first_chunk(seq, hold_last, salt, self._budget, bool(self._pieces))
+                num_tokens = self._first_chunk(seq, hold_last, salt, self._budget, self._has_pieces())
                 if num_tokens is None or not kv.can_allocate(seq.seq_id, seq.token_ids, num_tokens, salt):
                     break
                 num_cached, ops = kv.allocate(seq.seq_id, seq.token_ids, num_tokens, salt)
@@ -1048,7 +1059,7 @@ class Scheduler:
         # A hit past the share point would give the leader slots its siblings cannot fork.
         shared = TokenPrefix(leader.token_ids, point + 1)
         remaining = point - kv.num_cached_tokens(shared, salt)
-        if not self.config.chunked_prefill and remaining > self._budget and self._pieces:
+        if not self.config.chunked_prefill and remaining > self._budget and self._has_pieces():
             return False
         num_tokens = min(remaining, self._budget) if self.config.chunked_prefill else remaining
         if not kv.can_allocate(leader.seq_id, shared, num_tokens, salt):
@@ -1108,15 +1119,15 @@ class Scheduler:
         self._unchecked.pop(id(group), None)
         group.status = GroupStatus.FINISHED
 
-    def _finalize_pieces(self, first_piece: int = 0) -> tuple[tuple[ScheduledChunk, ...], int, int, int]:
-        """Chunks, prefill / decode / recomputed token counts and peaks of the planned
-        pieces from ``first_piece`` on; they become ``complete_step``'s pieces."""
+    def _finalize_pieces(self) -> tuple[tuple[ScheduledChunk, ...], int, int, int]:
+        """Chunks, prefill / decode / recomputed token counts and peaks of the pieces planned
+        in ``_pieces``; they become ``complete_step``'s pieces."""
         kv = self.kv
         chunk_contents = self.chunk_contents
         chunks: list[ScheduledChunk] = []
         num_prefill = num_decode = num_recomputed = 0
         touched: dict[int, SequenceGroup] = {}
-        pieces = self._pieces[first_piece:] if first_piece else self._pieces
+        pieces = self._pieces
         for group, seq, start, num_tokens in pieces:
             tokens = seq.token_ids
             end = start + num_tokens
