@@ -157,9 +157,8 @@ def test_small_pool_preempts_and_blocks_admission():
 
 def test_unchunked_prompts_wait_for_a_decoding_batch_as_stepping():
     """Without chunked prefill a prompt longer than the budget left waits while any other
-    piece is planned: prompts of up to the whole budget arrive while batches decode (a
-    run's admission step plans its batch's decodes outside the scheduler's piece list,
-    ``admit_after_decodes``), samples fork after the prefill, and both paths agree."""
+    piece is planned: prompts of up to the whole budget arrive while batches decode, and
+    both paths agree (the property test above keeps chunked prefill on)."""
     workload = random_requests(
         16,
         {"kind": "uniform", "low": 40, "high": 64},
@@ -172,6 +171,35 @@ def test_unchunked_prompts_wait_for_a_decoding_batch_as_stepping():
     )
     params = {"num_blocks": 128, "max_num_seqs": 8, "max_num_batched_tokens": 64, "chunked_prefill": False}
     assert_identical(workload, min_covered_share=0.3, **params)
+
+
+def test_a_recomputed_forked_group_admitted_next_to_a_run_sees_its_batch_planned():
+    """A run's admission step plans its batch's decodes outside the scheduler's piece list
+    (``admit_after_decodes``) but admission must still see them as planned. The one place
+    that decides anything: a forked group preempted by recompute, back at the head, whose
+    start the run cannot rule out (several sequences), with unchunked prefill. Counting
+    the batch as no pieces lets its prompt run over the budget the batch leaves."""
+    workload = best_of_n(
+        9,
+        {"kind": "uniform", "low": 8, "high": 32},
+        {"kind": "uniform", "low": 10, "high": 60},
+        {"kind": "poisson", "rate_per_s": 100.0},
+        n=4,
+        vocab_size=SPEC.vocab_size,
+        seed=7,
+    )
+    params = {
+        "num_blocks": 37,
+        "block_size": 8,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 32,
+        "chunked_prefill": False,
+        "prefix_cache": "radix",
+        "preemption": "recompute",
+    }
+    slow, _ = run(workload, False, **params)
+    assert slow.steps["num_preemptions"].sum() > 0  # the scenario really preempts
+    assert_identical(workload, min_covered_share=0.1, **params)
 
 
 @pytest.mark.parametrize("prefix_cache", ["block_hash", "radix", "none"])

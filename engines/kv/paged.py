@@ -696,9 +696,12 @@ class PagedKVManager(SeqTable):
         need = self._num_blocks_needed(match.num_tokens, match.blocks, num_new_tokens, held=False)
         return need <= self.num_allocatable_blocks - match.num_blocks_taken
 
-    def _num_blocks_needed(self, num_tokens: int, block_ids: Sequence[int], num_new: int, held: bool) -> int:
+    def _num_blocks_needed(
+        self, num_tokens: int, block_ids: Sequence[int] | np.ndarray, num_new: int, held: bool
+    ) -> int:
         """New blocks to grow from ``num_tokens`` by ``num_new`` slots (including a CoW copy).
-        ``held``: whether the caller already holds a reference on ``block_ids``."""
+        ``block_ids``: a block table or a match's blocks (``PrefixMatch.blocks``); ``held``:
+        whether the caller already holds a reference on them."""
         if num_new <= 0:
             return 0
         bs = self.block_size

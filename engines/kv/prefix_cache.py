@@ -47,11 +47,12 @@ class PrefixMatch:
     may be only partly covered when ``num_tokens`` is not block aligned (radix index).
     ``blocks`` is a tuple or the index's own int64 array (read only: the index's memo
     shares it), so that a long match is never converted to Python ints on the hot path:
-    read it through ``num_blocks``, ``blocks[-1]``, ``block_id_array()``, or ``block_ids``
-    (a tuple, built on first read). ``num_blocks_taken`` is how many blocks attaching the
-    match removes from what new allocations can draw on (cached-free blocks revived from
-    the free list, reclaimable blocks pinned by locks); the manager subtracts it when
-    checking capacity. ``handle`` is private to the index that produced the match.
+    read it through ``num_blocks``, ``blocks[i]`` (an ``np.int64`` from an array),
+    ``block_id_array()``, or ``block_ids`` (a tuple of ints, built on first read).
+    ``num_blocks_taken`` is how many blocks attaching the match removes from what new
+    allocations can draw on (cached-free blocks revived from the free list, reclaimable
+    blocks pinned by locks); the manager subtracts it when checking capacity. ``handle``
+    is private to the index that produced the match.
     """
 
     num_tokens: int

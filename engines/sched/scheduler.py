@@ -441,6 +441,7 @@ class Scheduler:
 
     def _finish_plan(self) -> SchedulerOutput:
         """The rest of ``schedule`` once running groups have their tokens: swap-in, admission.
+
         Pieces planned outside ``_pieces`` (a decode run's batch, see ``admit_after_decodes``)
         are left out of the output and of ``complete_step``: their caller completes them."""
         first_scheduled: list[str] = []
