@@ -450,10 +450,11 @@ class Scheduler:
             self._swap_in_groups()
         if self._num_preemptions == 0 and not self.swapped:
             self._admit_waiting(first_scheduled)
-        if not self._has_pieces() and not self.running and self.swapped:
+        # (The cheap tests first: most steps have running groups and nothing swapped.)
+        if self.swapped and not self.running and not self._has_pieces():
             self._unblock_swapped(first_scheduled)
 
-        if not self._has_pieces() and not self.running:
+        if not self.running and not self._has_pieces():
             rejected.extend(self._reject_stuck_head())
 
         chunks, num_prefill, num_decode, num_recomputed = self._finalize_pieces()
