@@ -357,6 +357,8 @@ def _int64_array(values: list[int]) -> np.ndarray:
     return out
 
 
+_FIRST_SLOTS = 16  # rows of a block-hash index's last-key table when it first grows
+
 _NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
 # Its step buffers, shared by every call since nothing reads them: the two block arrays
 # are empty (nothing is written there) and the one count per step is scratch. Making
@@ -399,8 +401,8 @@ class BlockHashPrefixIndex:
         # uint64 [slots, 2]: per tracked sequence (its state's slot) both lanes of its last
         # key, the rows the compiled decode registrations read and write in place (a
         # Python pair per sequence cost a conversion each way per call); free slots below.
-        self._last_keys = np.zeros((16, 2), dtype=np.uint64)
-        self._free_slots: list[int] = list(range(15, -1, -1))
+        self._last_keys = np.zeros((0, 2), dtype=np.uint64)  # grown by _track
+        self._free_slots: list[int] = []  # popped from the end: lowest slot first
         self._num_evicted_blocks = 0
         # Registrations dropped so far, and per block the count just after its latest drop
         # (0: never dropped): a match memo taken at count n lost block b iff
@@ -750,10 +752,11 @@ class BlockHashPrefixIndex:
         free slot (the table doubles when none is left). Mutates the tracking and slots."""
         key = None if chain is None else chain.key_before(num_blocks)  # may raise: nothing changed yet
         free = self._free_slots
-        if not free:
+        if not free:  # the table doubles (16 rows at first)
             num_slots = len(self._last_keys)
-            self._last_keys = np.concatenate([self._last_keys, np.zeros_like(self._last_keys)])
-            free.extend(range(2 * num_slots - 1, num_slots - 1, -1))
+            grown = max(2 * num_slots, _FIRST_SLOTS)
+            self._last_keys = np.concatenate([self._last_keys, np.zeros((grown - num_slots, 2), np.uint64)])
+            free.extend(range(grown - 1, num_slots - 1, -1))
         state = self._seqs[seq_id] = _SeqHashState(num_blocks, chain, free.pop())
         if key is not None:
             self._last_keys[state.slot] = key
