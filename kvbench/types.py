@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from kvbench.records import frozen_record
 from kvbench.specs import HardwareSpec, ModelSpec
 
 
@@ -38,7 +39,7 @@ class ComputedTokenIds(Protocol):
     def ids(self) -> np.ndarray: ...
 
 
-@dataclass(frozen=True, eq=False)
+@frozen_record(eq=False)
 class Request:
     """One user request as a workload produces it.
 
@@ -125,7 +126,7 @@ class Workload:
 
 
 # --------------------------------------------------------------------------- engines
-@dataclass(frozen=True)
+@frozen_record
 class KVUsage:
     """A KV manager's memory at one instant, in bytes of the (simulated) device pool.
 
@@ -151,7 +152,7 @@ class KVUsage:
     num_blocks_free: int = 0
 
 
-@dataclass(frozen=True)
+@frozen_record
 class StepStats:
     """What one engine iteration did. Counts are for this step only."""
 
@@ -203,7 +204,7 @@ class TokenEvent(NamedTuple):
     step_offset: int = 0
 
 
-@dataclass(frozen=True)
+@frozen_record
 class FinishedRequest:
     """A request the engine retired this step, with per-request engine counters."""
 
@@ -228,7 +229,7 @@ class RejectedRequest:
 _INT64_MAX = np.iinfo(np.int64).max
 
 
-@dataclass(frozen=True, eq=False)  # __eq__ below: the token array compares by value
+@frozen_record(eq=False)  # __eq__ below: the token array compares by value
 class CoveredSteps:
     """The iterations a multi-step ``StepOutput`` covers, column-wise: a simulated decode
     run, a fixed batch in which every sequence produces one token per step.
@@ -322,7 +323,7 @@ class CoveredSteps:
         ]
 
 
-@dataclass(frozen=True)
+@frozen_record
 class StepOutput:
     """What one ``Engine.step`` call did: normally one engine iteration.
 

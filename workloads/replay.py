@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbench.records import frozen_record
 from kvbench.types import Request, Workload
 from kvbench.workloads.build import closed_loop_limit
 from kvbench.workloads.distributions import ArrivalProcess, arrival_process
@@ -219,7 +220,7 @@ class _IdsWhenRead(ABC):
         return ids if dtype is None else ids.astype(dtype)
 
 
-@dataclass(frozen=True, eq=False)
+@frozen_record(eq=False)
 class HashBlockPrompt(_IdsWhenRead):
     """A Mooncake prompt as ``ComputedTokenIds``: the ids of its hash blocks (block ``b``:
     ``lengths[b]`` ids keyed by the seed and its hash id, offsets from 0;
@@ -284,7 +285,7 @@ def _hash_id_prompts(
     )
 
 
-@dataclass(frozen=True, eq=False)
+@frozen_record(eq=False)
 class RandomPrompt(_IdsWhenRead):
     """A length-only trace record's prompt (Azure, BurstGPT) as ``ComputedTokenIds``:
     ``num_tokens`` ids drawn from the record's own stream (``random_token_ids`` of

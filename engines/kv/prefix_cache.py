@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol, runtime_checkable
 
@@ -32,6 +31,7 @@ from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.token_ids import NO_BLOCK_IDS, BlockKeyChain, KeyCarrier, id_list, prefix_of
 from kvbench.hashing import block_multipliers
+from kvbench.records import frozen_record
 
 # ``PrefixIndex.commit_many``'s entries: (seq_id, token_ids, num_tokens, block_ids,
 # extra_key): ``commit`` of the first ``num_tokens`` of ``token_ids`` (a sequence's own
@@ -39,7 +39,7 @@ from kvbench.hashing import block_multipliers
 CommitEntry = tuple[int, Sequence[int], int, Sequence[int], str | None]
 
 
-@dataclass(frozen=True, eq=False)
+@frozen_record(eq=False)
 class PrefixMatch:
     """The cached prefix found for a token sequence (a pure query result).
 

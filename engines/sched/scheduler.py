@@ -46,6 +46,7 @@ import numpy as np
 from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, StepCommit
 from kvbench.engines.kv.token_ids import TokenPrefix, TokenSpan, prefix_of
 from kvbench.engines.sched.sequence import GroupStatus, Sequence, SequenceGroup, num_samples
+from kvbench.records import frozen_record
 from kvbench.sim.cost_model import StepShape
 from kvbench.types import FinishedRequest, RejectedRequest, Request
 
@@ -152,7 +153,7 @@ class ScheduledChunk(NamedTuple):
 _new_tuple = tuple.__new__
 
 
-@dataclass(frozen=True)
+@frozen_record
 class SchedulerOutput:
     """One iteration's plan: what to compute and the KV work to do first.
 

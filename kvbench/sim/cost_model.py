@@ -38,11 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from kvbench.records import frozen_record
 from kvbench.sizing import kv_bytes_per_token, num_params, weight_bytes
 from kvbench.specs import HardwareSpec, ModelSpec, SpecError
 
 
-@dataclass(frozen=True)
+@frozen_record
 class StepShape:
     """The aggregate composition of one engine step: everything the cost model reads.
 
@@ -102,7 +103,7 @@ class StepShape:
         return StepShape(num_tokens, num_seqs, pairs, context, len(lens), sum(lens), host_bytes)
 
 
-@dataclass(frozen=True)
+@frozen_record
 class StepCost:
     """The modeled duration of one step and its parts, in seconds."""
 
