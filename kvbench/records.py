@@ -1,25 +1,34 @@
-"""``frozen_record``: a frozen dataclass with a cheaper constructor, for records built on
-hot paths.
+"""``frozen_record``: a frozen dataclass with a cheaper constructor, for short-lived records
+built every engine step.
 
 A frozen dataclass's generated ``__init__`` stores every field with
 ``object.__setattr__(self, name, value)`` (the class's own ``__setattr__`` raises): one
 call per field that looks the name up through the class's MRO, about 1,100
-instructions a field. The engine builds a ``SchedulerOutput`` (8 fields) and reads a
+instructions a field. The engine builds a ``SchedulerOutput`` (8 fields) and a
 ``KVUsage`` (12) every step, and a simulated step's ``StepStats`` (23) and ``StepOutput``
 (10) besides.
 
 ``@frozen_record`` (or ``@frozen_record(eq=False)``, any ``dataclass`` option but
 ``frozen``, ``init`` and ``slots``) is ``@dataclass(frozen=True, ...)`` whose ``__init__``
 is then replaced by one of the same parameters (names, kinds, order, defaults, default
-factories, annotations) that writes the fields straight into the instance's
-``__dict__``, one dict store each, then calls ``__post_init__`` as the generated one
-does. Everything else dataclass gives the class is untouched: ``__setattr__`` still raises
+factories, annotations, resolved in the class's module as the generated one's are) that
+writes the fields straight into the instance's ``__dict__``, one dict store each, then
+calls ``__post_init__`` as the generated one does. ``__setattr__`` still raises
 ``FrozenInstanceError``, and ``__eq__``, ``__hash__``, ``__repr__``, ``replace`` and
 pickling are the dataclass's.
+
+The price: Python 3.11 keeps an instance's attributes inline until its ``__dict__`` is
+read, and this ``__init__`` reads it. An instance is then 64 bytes larger and a field
+read costs about 270 instructions more (a build saves about 1,060 a field). So it is for
+records built often, read a few times and dropped (per step), not for records a run
+keeps per request: on the replay benchmarks, decorating ``Request`` and the trace
+prompts saved nothing and would have added 64 bytes each to a trace of millions.
 
 A ``__dict__`` store is what ``object.__setattr__`` does for a name no class in the MRO
 defines as a data descriptor, so a class where one does (a slot of a base, a property, a
 descriptor as a field's default) is refused, as is one that writes its own ``__init__``.
+(A subclass that is no dataclass inherits the ``__init__`` unchecked: give it its own
+``@frozen_record`` or ``@dataclass``.)
 
 The plain path stays reachable: ``PLAIN_INITS[cls]`` is the dataclass's own ``__init__``,
 and tests/test_records.py builds every record of real simulation runs both ways and
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, dataclass_transform, overload
 
@@ -61,11 +71,15 @@ def frozen_record(cls: None = None, /, **options: Any) -> Callable[[T], T]: ...
 @dataclass_transform(frozen_default=True)
 def frozen_record(cls: T | None = None, /, **options: Any) -> T | Callable[[T], T]:
     """``@dataclass(frozen=True, **options)`` with the dict-writing ``__init__`` (module
-    docstring). Raises TypeError naming the class and the reason (the class statement
-    then fails) for ``frozen``, ``init`` or ``slots`` among ``options``, a class body
-    that defines ``__init__``, a field a class in the MRO defines as a data descriptor,
-    an ``InitVar``, a field left out of ``__init__``, or a field named like the
-    generated code's own names. Mutates ``PLAIN_INITS``."""
+    docstring). Raises TypeError for ``frozen``, ``init`` or ``slots`` among ``options``
+    (at the call), and, naming the class and the reason (the class statement then
+    fails), for a class body that defines ``__init__``, a field a class in the MRO
+    defines as a data descriptor, an ``InitVar``, a field left out of ``__init__``, or a
+    field named like the generated code's own names. Mutates ``PLAIN_INITS``."""
+
+    refused = sorted(set(options) & set(_OWN_OPTIONS))
+    if refused:
+        raise TypeError(f"frozen_record: {refused} are frozen_record's to set")
 
     def wrap(cls: T) -> T:
         return _make(cls, options)
@@ -75,9 +89,6 @@ def frozen_record(cls: T | None = None, /, **options: Any) -> T | Callable[[T], 
 
 def _make(cls: T, options: dict[str, Any]) -> T:
     name = cls.__qualname__
-    refused = sorted(set(options) & set(_OWN_OPTIONS))
-    if refused:
-        raise TypeError(f"frozen_record: {name}: {refused} are frozen_record's to set")
     if "__init__" in cls.__dict__:
         raise TypeError(f"frozen_record: {name} defines __init__ (use a plain dataclass)")
     record = dataclasses.dataclass(frozen=True, **options)(cls)
@@ -122,8 +133,17 @@ def _make(cls: T, options: dict[str, Any]) -> T:
     if hasattr(record, "__post_init__"):
         body.append("    self.__post_init__()")
     signature = ", ".join(["self", *positional, *(["*", *keyword_only] if keyword_only else [])])
-    exec(f"def __init__({signature}):\n" + "\n".join(body) + "\n", namespace)  # noqa: S102
-    init = namespace["__init__"]
+    # Defined inside a maker whose parameters carry the defaults and factories, run in the
+    # class's module globals: the __init__ then resolves its annotations where the class's
+    # are (typing.get_type_hints), as dataclass's own does, and the module gains no names.
+    helpers = ", ".join(namespace)
+    source = (
+        f"def {_PREFIX}maker({helpers}):\n"
+        f"  def __init__({signature}):\n" + "\n".join("  " + line for line in body) + "\n  return __init__\n"
+    )
+    made: dict[str, Any] = {}
+    exec(source, sys.modules[record.__module__].__dict__, made)  # noqa: S102
+    init = made[f"{_PREFIX}maker"](**namespace)
     init.__qualname__ = f"{record.__qualname__}.__init__"
     init.__module__ = record.__module__
     init.__annotations__ = dict(plain.__annotations__)

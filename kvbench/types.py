@@ -39,7 +39,7 @@ class ComputedTokenIds(Protocol):
     def ids(self) -> np.ndarray: ...
 
 
-@frozen_record(eq=False)
+@dataclass(frozen=True, eq=False)
 class Request:
     """One user request as a workload produces it.
 

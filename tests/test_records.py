@@ -18,6 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import pkgutil
+import typing
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,9 @@ MAX_CALLS_PER_CLASS = 300  # rebuilt both ways per class (the runs make thousand
 def test_the_hot_records_are_decorated():
     assert "kvbench.engines.sched.scheduler" in DECORATING_MODULES  # the search sees engines/ too
     names = {cls.__qualname__ for cls in DECORATED}
-    assert {"StepStats", "KVUsage", "StepOutput", "SchedulerOutput", "PrefixMatch", "Request"} <= names
+    assert {"StepStats", "KVUsage", "StepOutput", "SchedulerOutput", "PrefixMatch"} <= names
+    # Records a run keeps per request stay plain: the dict costs them memory (records.py).
+    assert not {"Request", "HashBlockPrompt", "RandomPrompt", "TraceRecord"} & names
 
 
 @pytest.mark.parametrize("cls", DECORATED, ids=lambda cls: cls.__qualname__)
@@ -78,6 +81,17 @@ def test_same_parameters_as_the_dataclass_init(cls):
             assert mine.default is not inspect.Parameter.empty
         else:
             assert mine.default is theirs.default, mine.name
+    # Annotations resolve where the class's do (its module), as the plain init's; a name
+    # its module imports only for type checkers fails the same way in both.
+    assert _type_hints(cls.__init__) == _type_hints(PLAIN_INITS[cls])
+
+
+def _type_hints(function: Any) -> dict[str, Any] | tuple[str, str]:
+    """``typing.get_type_hints(function)``, or the error's type and message."""
+    try:
+        return typing.get_type_hints(function)
+    except NameError as error:
+        return type(error).__name__, str(error)
 
 
 def _capture_calls(
@@ -255,8 +269,9 @@ def test_refuses_what_it_does_not_reproduce():
         (defines_init, {}, "defines __init__"),
         (descriptor_default, {}, "data descriptor"),
         (slot_of_a_base, {}, "_SlotBase defines it as a data descriptor"),
-        (not_in_init, {"slots": True}, "frozen_record's to set"),
-        (not_in_init, {"frozen": False}, "frozen_record's to set"),
     ):
         with pytest.raises(TypeError, match=reason):
             frozen_record(**options)(make())
+    for options in ({"slots": True}, {"frozen": False}, {"init": True}):
+        with pytest.raises(TypeError, match="frozen_record's to set"):
+            frozen_record(**options)  # at the call, before any class

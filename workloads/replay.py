@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.records import frozen_record
 from kvbench.types import Request, Workload
 from kvbench.workloads.build import closed_loop_limit
 from kvbench.workloads.distributions import ArrivalProcess, arrival_process
@@ -220,7 +219,7 @@ class _IdsWhenRead(ABC):
         return ids if dtype is None else ids.astype(dtype)
 
 
-@frozen_record(eq=False)
+@dataclass(frozen=True, eq=False)
 class HashBlockPrompt(_IdsWhenRead):
     """A Mooncake prompt as ``ComputedTokenIds``: the ids of its hash blocks (block ``b``:
     ``lengths[b]`` ids keyed by the seed and its hash id, offsets from 0;
@@ -285,7 +284,7 @@ def _hash_id_prompts(
     )
 
 
-@frozen_record(eq=False)
+@dataclass(frozen=True, eq=False)
 class RandomPrompt(_IdsWhenRead):
     """A length-only trace record's prompt (Azure, BurstGPT) as ``ComputedTokenIds``:
     ``num_tokens`` ids drawn from the record's own stream (``random_token_ids`` of

@@ -37,7 +37,6 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvbench.hashing import stable_key
-from kvbench.records import frozen_record
 from kvbench.workloads.errors import TraceError
 from kvbench.workloads.tokens import Tokenizer, keyed_token_ids
 from kvbench.workloads.trace_io import (
@@ -73,7 +72,7 @@ _AZURE_TIME = re.compile(r"(\d{4}-\d{2}-\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(\d{1
 _INT_TEXT = re.compile(r"[+-]?[0-9]+")
 
 
-@frozen_record
+@dataclass(frozen=True)
 class TraceRecord:
     """One valid request of a trace, before scaling and token materialisation.
 
