@@ -49,7 +49,7 @@ T = TypeVar("T", bound=type)
 # plain path).
 PLAIN_INITS: dict[type, Callable[..., None]] = {}
 
-_PREFIX = "_fast_init_"  # names the generated code uses besides the fields'
+_PREFIX = "_frozen_record_"  # names the generated code uses besides the fields'
 _OWN_OPTIONS = ("frozen", "init", "slots")  # what frozen_record decides itself
 
 

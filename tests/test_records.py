@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sim_workloads import mooncake_head
 
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sim.executor import CostModelExecutor
@@ -121,16 +122,7 @@ def _sim_run(workload, **params):  # type: ignore[no-untyped-def]
 def test_records_of_real_runs_build_the_same_both_ways(monkeypatch):
     calls = _capture_calls(monkeypatch)
     vocab = ModelSpec().vocab_size
-    mooncake = load_trace(
-        TRACES / "mooncake_conversation_head200.jsonl",
-        vocab_size=vocab,
-        length_scale=1 / 32,
-        output_scale=0.25,
-        max_prompt_tokens=1024,
-        max_output_tokens=120,
-        max_requests=40,
-        time_scale=0.05,
-    )
+    mooncake = mooncake_head(40)
     _sim_run(mooncake, num_blocks=160, max_num_seqs=12, max_num_batched_tokens=256, prefix_cache="block_hash")
     azure = load_trace(TRACES / "azure_llm_2023_conv_head500.csv", vocab_size=vocab, max_requests=20)
     _sim_run(azure, num_blocks=400, max_num_seqs=8, prefix_cache="none")

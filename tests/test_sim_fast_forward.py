@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim_workloads import mooncake_head
 
 import kvbench.runner as runner_module
 from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
@@ -34,12 +34,10 @@ from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import EngineContext, Request, Workload
 from kvbench.workloads.prefixes import chat
 from kvbench.workloads.synthetic import best_of_n, random_requests
-from kvbench.workloads.traces import load_trace
 
 SPEC = ModelSpec()  # tiny-gqa
 # Slow steps (5 ms + per-sequence costs), so Poisson arrivals land inside decode runs.
 SLOW = HardwareSpec(step_overhead_s=5e-3, per_seq_overhead_s=2e-4)
-MOONCAKE_HEAD = Path(__file__).parent / "fixtures" / "traces" / "mooncake_conversation_head200.jsonl"
 
 
 @pytest.fixture(autouse=True)
@@ -213,16 +211,7 @@ def test_mooncake_head_fixture(prefix_cache, monkeypatch):
         return advance_many(run, num_steps, *args, **kwargs)
 
     monkeypatch.setattr(PagedDecodeRun, "advance_many", counting_advance_many)
-    workload = load_trace(
-        MOONCAKE_HEAD,
-        vocab_size=SPEC.vocab_size,
-        length_scale=1 / 32,
-        output_scale=0.25,
-        max_prompt_tokens=1024,
-        max_output_tokens=120,
-        max_requests=60,
-        time_scale=0.05,
-    )
+    workload = mooncake_head(60, SPEC)
     assert_identical(
         workload,
         min_covered_share=0.3,
