@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -411,6 +411,83 @@ def test_random_operations_keep_invariants_and_contents(index_name):
     machine = type(f"ManagerMachine_{index_name}", (ManagerMachine,), {"index_cls": INDEXES[index_name]})
     machine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
     machine.TestCase("runTest").runTest()
+
+
+# One operation of the append differential: (kind, which sequence, how many / which stem).
+_append_op_st = st.tuples(
+    st.sampled_from(["allocate", "append", "append", "append", "commit", "fork", "free", "swap"]),
+    st.integers(0, 7),
+    st.integers(0, 9),
+)
+
+
+@pytest.mark.parametrize("index_name", sorted(INDEXES))
+@given(ops=st.lists(_append_op_st, min_size=1, max_size=80), num_blocks=st.integers(3, 12))
+@settings(max_examples=60, deadline=None)
+def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
+    """``append`` and ``can_append`` with their fast paths (``fast_appends``: a claim in the
+    partial last block, one fresh block for a full table) leave what the general path
+    leaves: the same answers, KV ops and errors, block tables, usage, free list (its order
+    included), evictions and prefix-index state, op by op. Small pools run out, so the
+    fresh-block path meets an empty free list (cached-free and, with radix, reclaimable
+    blocks) and forks make claims the partial-block path must copy around."""
+
+    def manager(fast: bool) -> PagedKVManager:
+        m = PagedKVManager(num_blocks, BS, 2, INDEXES[index_name](), num_host_blocks=4)
+        m.fast_appends = fast
+        return m
+
+    fast, plain = manager(True), manager(False)
+    tokens: dict[int, list[int]] = {}
+    next_id = 0
+
+    def both(method: str, *args):
+        """``method(*args)`` on both managers: the same result or the same error type."""
+        results = []
+        for m in (fast, plain):
+            try:
+                results.append(("ok", getattr(m, method)(*args)))
+            except (KVCapacityError, MemoryError, ValueError) as error:
+                results.append((type(error), None))
+        assert results[0] == results[1]
+        return results[0]
+
+    for kind, which, n in ops:
+        live = sorted(tokens)
+        seq = live[which % len(live)] if live else None
+        if kind == "allocate" or seq is None:
+            prompt = PROMPT_STEMS[n % len(PROMPT_STEMS)] + [1 + n % 3] * (n % 5)
+            cached = both("num_cached_tokens", prompt, None)[1]
+            outcome = both("allocate", next_id, prompt, len(prompt) - cached, None)
+            if outcome[0] == "ok":
+                tokens[next_id] = list(prompt)
+            next_id += 1
+        elif kind == "append" and not fast.is_swapped(seq):
+            grow = 1 + n % (2 * BS)
+            assert both("can_append", seq, grow)[1] is not None
+            if both("append", seq, grow)[0] == "ok":
+                tokens[seq] += [1 + (n + i) % 3 for i in range(grow)]
+        elif kind == "commit" and not fast.is_swapped(seq):
+            both("commit", seq, tokens[seq][: fast.num_tokens(seq)])
+        elif kind == "fork" and not fast.is_swapped(seq):
+            both("fork", seq, next_id)
+            tokens[next_id] = list(tokens[seq])
+            next_id += 1
+        elif kind == "free":
+            both("free", seq)
+            del tokens[seq]
+        elif kind == "swap":
+            if fast.is_swapped(seq):
+                if both("can_swap_in", seq)[1]:
+                    both("swap_in", seq)
+            elif both("can_swap_out", seq)[1]:
+                both("swap_out", seq)
+        fast.check()
+        plain.check()
+        resident = [s for s in sorted(tokens) if not fast.is_swapped(s)]
+        assert _decode_state(fast, resident) == _decode_state(plain, resident)
+        assert fast.prefix_index.block_refs() == plain.prefix_index.block_refs()
+        assert fast.prefix_index.num_evicted_blocks == plain.prefix_index.num_evicted_blocks
 
 
 def _decode_state(m: PagedKVManager, seq_ids) -> tuple:

@@ -69,7 +69,7 @@ class BlockPool:
     empty; call ``num_free`` first.
     """
 
-    __slots__ = ("num_blocks", "_st", "_ref_at", "_cached_at", "_counts", "_reuse_listener")
+    __slots__ = ("num_blocks", "_st", "_ref_at", "_cached_at", "_counts", "_counts_at", "_reuse_listener")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
@@ -93,23 +93,25 @@ class BlockPool:
         self._cached_at = memoryview(st[CACHED])
         # NUM_FREE, NUM_CACHED_FREE, NUM_RECLAIMABLE, REF_VERSION.
         self._counts = np.array([num_blocks, 0, 0, 0], dtype=np.int64)
+        # The same counters as Python ints (the queries below read them every step).
+        self._counts_at = memoryview(self._counts)
         self._reuse_listener: Callable[[np.ndarray], None] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
         """Blocks in the free list, cached-free ones included (all can be allocated now)."""
-        return int(self._counts[NUM_FREE])
+        return self._counts_at[NUM_FREE]
 
     @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold reusable KV (reused last-resort, LRU order)."""
-        return int(self._counts[NUM_CACHED_FREE])
+        return self._counts_at[NUM_CACHED_FREE]
 
     @property
     def num_reclaimable(self) -> int:
         """Referenced blocks whose every reference is soft (an index eviction frees them)."""
-        return int(self._counts[NUM_RECLAIMABLE])
+        return self._counts_at[NUM_RECLAIMABLE]
 
     @property
     def ref_version(self) -> int:
@@ -117,7 +119,7 @@ class BlockPool:
         into the free list. Allocations do not change it: what they take is in their return
         value and, for cached blocks, the reuse listener. Lets a prefix index keep a count of
         unreferenced blocks in a match valid without re-reading every ref count."""
-        return int(self._counts[REF_VERSION])
+        return self._counts_at[REF_VERSION]
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_at[self._id(block_id)]
@@ -177,7 +179,7 @@ class BlockPool:
         If the block was cached, the cache entry is evicted first (the flag is cleared and
         the reuse listener called). Raises MemoryError when no block is free.
         """
-        if self._counts[NUM_FREE] == 0:
+        if self._counts_at[NUM_FREE] == 0:
             raise MemoryError(f"BlockPool: no free block (num_blocks={self.num_blocks})")
         b, was_cached = native.allocate_one(self._st, self._counts)
         if was_cached and self._reuse_listener is not None:
@@ -194,7 +196,7 @@ class BlockPool:
     def allocate_array(self, num_blocks: int) -> np.ndarray:
         """``allocate_many`` returning the ids as an int64 array [num_blocks] (for callers
         that hand them on to other compiled loops)."""
-        if num_blocks > self._counts[NUM_FREE]:
+        if num_blocks > self._counts_at[NUM_FREE]:
             raise MemoryError(f"BlockPool: {num_blocks} blocks requested, {self.num_free} free")
         if num_blocks <= 0:
             return np.empty(0, dtype=np.int64)
@@ -211,7 +213,7 @@ class BlockPool:
         each step's blocks were cached int64 [steps]). Raises MemoryError, allocating
         nothing, when fewer than ``sum(needs)`` are free."""
         total = int(needs.sum())
-        if total > self._counts[NUM_FREE]:
+        if total > self._counts_at[NUM_FREE]:
             raise MemoryError(f"BlockPool: {total} blocks requested, {self.num_free} free")
         out, reused, reused_per_step = native.step_buffers(total, len(needs))
         num_reused = native.allocate_steps_into(self._st, self._counts, needs, out, reused, reused_per_step)

@@ -203,6 +203,10 @@ class PagedKVManager(SeqTable):
         # (decode fast paths) cost half a numpy scalar access.
         self._seq_refs_at = memoryview(self._seq_refs)
         self._claimed_at = memoryview(self._claimed)
+        # Whether append and can_append take their fast paths (a claim in the partial last
+        # block, one fresh block for a full table) before the general path: the same
+        # outcomes; False only for the differential test (tests/test_kv_manager.py).
+        self.fast_appends = True
         self._num_blocks_in_use = 0  # blocks with a sequence reference
         self._num_token_slots = 0  # sum of claimed slots over blocks in use
         # Scratch for native.blocks_before_fit: per block its position in a guarded match, -1 between calls.
@@ -280,7 +284,7 @@ class PagedKVManager(SeqTable):
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
         """Whether ``append`` would succeed now. Mutates nothing."""
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.host_blocks is None:
+        if self.fast_appends and seq is not None and seq.host_blocks is None:
             # Fast path (most decode steps): the slots fit in the partial last block and
             # nobody else claimed them (or it holds the block alone): no new block, no copy.
             offset = seq.num_tokens % self.block_size
@@ -300,20 +304,42 @@ class PagedKVManager(SeqTable):
         Raises KVCapacityError when ``can_append`` is False.
         """
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.host_blocks is None and num_new_tokens > 0:
-            # Fast path, as in can_append: claim the next slots of the partial last block
-            # in place (what _grow does there, without its general checks). The sequence
-            # holds the block, so its claimed slots count in _num_token_slots.
+        if self.fast_appends and seq is not None and seq.host_blocks is None and num_new_tokens > 0:
             offset = seq.num_tokens % self.block_size
             end = offset + num_new_tokens
-            if offset and end <= self.block_size:
-                last = seq.block_ids[-1]
-                claimed = self._claimed_at[last]
-                if claimed <= offset or self.pool.is_exclusive(last):
-                    self._num_token_slots += end - claimed  # a sole holder overwrites stale claims
-                    self._claimed_at[last] = end
-                    seq.num_tokens += num_new_tokens
-                    return NO_OPS
+            if end <= self.block_size:
+                if offset:
+                    # As in can_append: claim the next slots of the partial last block in
+                    # place (what _grow does there, without its general checks). The
+                    # sequence holds the block, so its claimed slots count in
+                    # _num_token_slots.
+                    last = seq.block_ids[-1]
+                    claimed = self._claimed_at[last]
+                    if claimed <= offset or self.pool.is_exclusive(last):
+                        self._num_token_slots += end - claimed  # a sole holder overwrites stale claims
+                        self._claimed_at[last] = end
+                        seq.num_tokens += num_new_tokens
+                        return NO_OPS
+                else:
+                    # A full table gains one fresh block (a decode step crossing into its
+                    # next block): _grow's one-block case while a block is free, so nothing
+                    # is evicted and no check can fail. The pool pops the same block and
+                    # tells the same listener; BlockPool.allocate raises MemoryError,
+                    # changing nothing, when none is free, and the general path below
+                    # then evicts or raises. A fresh block has no sequence reference yet:
+                    # it gains its first one and claims the slots.
+                    try:
+                        block = self.pool.allocate()
+                    except MemoryError:
+                        pass
+                    else:
+                        self._seq_refs_at[block] = 1
+                        self._claimed_at[block] = num_new_tokens
+                        self._num_blocks_in_use += 1
+                        self._num_token_slots += num_new_tokens
+                        seq.block_ids.append(block)
+                        seq.num_tokens += num_new_tokens
+                        return NO_OPS
         seq = self._resident(seq_id, "append")
         if num_new_tokens < 0:
             raise ValueError(f"append: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
