@@ -422,15 +422,17 @@ _append_op_st = st.tuples(
 
 
 @pytest.mark.parametrize("index_name", sorted(INDEXES))
-@given(ops=st.lists(_append_op_st, min_size=1, max_size=80), num_blocks=st.integers(3, 12))
+@given(ops=st.lists(_append_op_st, min_size=30, max_size=80), num_blocks=st.integers(3, 8))
 @settings(max_examples=60, deadline=None)
 def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
     """``append`` and ``can_append`` with their fast paths (``fast_appends``: a claim in the
     partial last block, one fresh block for a full table) leave what the general path
-    leaves: the same answers, KV ops and errors, block tables, usage, free list (its order
-    included), evictions and prefix-index state, op by op. Small pools run out, so the
-    fresh-block path meets an empty free list (cached-free and, with radix, reclaimable
-    blocks) and forks make claims the partial-block path must copy around."""
+    leaves: the same answers, KV ops and errors, block tables, per-block claims and
+    sequence references, the pool's state and counters (its free list's order included),
+    usage and evictions, op by op. Small pools run out, so the fresh-block path meets an
+    empty free list (cached-free and, with radix, reclaimable blocks); forks make claims
+    the partial-block path must copy around; appends of 0 slots and to swapped sequences
+    must fail or pass as the general path does. The exact cases are pinned below."""
 
     def manager(fast: bool) -> PagedKVManager:
         m = PagedKVManager(num_blocks, BS, 2, INDEXES[index_name](), num_host_blocks=4)
@@ -462,10 +464,13 @@ def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
             if outcome[0] == "ok":
                 tokens[next_id] = list(prompt)
             next_id += 1
-        elif kind == "append" and not fast.is_swapped(seq):
-            grow = 1 + n % (2 * BS)
-            assert both("can_append", seq, grow)[1] is not None
-            if both("append", seq, grow)[0] == "ok":
+        elif kind == "append":
+            grow = n % (2 * BS + 1)  # 0 included
+            swapped = fast.is_swapped(seq)
+            fits = None if swapped else both("can_append", seq, grow)[1]
+            outcome = both("append", seq, grow)[0]
+            assert (outcome == "ok") == (fits is True), (fits, outcome)  # can_append is append's answer
+            if outcome == "ok":
                 tokens[seq] += [1 + (n + i) % 3 for i in range(grow)]
         elif kind == "commit" and not fast.is_swapped(seq):
             both("commit", seq, tokens[seq][: fast.num_tokens(seq)])
@@ -486,8 +491,54 @@ def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
         plain.check()
         resident = [s for s in sorted(tokens) if not fast.is_swapped(s)]
         assert _decode_state(fast, resident) == _decode_state(plain, resident)
+        assert fast._claimed.tolist() == plain._claimed.tolist()
+        assert fast._seq_refs.tolist() == plain._seq_refs.tolist()
+        assert fast.pool.state.tolist() == plain.pool.state.tolist()
+        assert fast.pool.counts.tolist() == plain.pool.counts.tolist()
         assert fast.prefix_index.block_refs() == plain.prefix_index.block_refs()
         assert fast.prefix_index.num_evicted_blocks == plain.prefix_index.num_evicted_blocks
+
+
+@pytest.mark.parametrize("index_name", ["hash", "radix"])
+def test_a_crossing_append_takes_a_cached_block_as_the_general_path_does(index_name):
+    """A full table's next slot when only cached blocks are left: the block-hash pool pops a
+    cached-free block (the fast path; the index hears of it and drops its registration),
+    the radix pool has none free and its index evicts a reclaimable one (the general path
+    behind it). Both leave what the general path alone leaves."""
+
+    def run(fast: bool) -> tuple:
+        m = make(INDEXES[index_name](), num_blocks=4)
+        m.fast_appends = fast
+        prefill(m, 9, SYSTEM)
+        cached = m.block_table(9)
+        m.free(9)  # two cached blocks: cached-free (hash) or reclaimable (radix)
+        prefill(m, 0, [7] * BS)  # a full table: its next append crosses
+        prefill(m, 1, [8] * BS)  # takes the last block that holds nothing
+        assert m.pool.num_free == (2 if index_name == "hash" else 0)
+        evicted = m.num_evicted_blocks
+        ops = m.append(0, 1)
+        m.check()
+        assert m.block_table(0)[-1] in cached
+        assert m.num_evicted_blocks > evicted  # hash: the popped block's registration
+        return ops, _decode_state(m, [0, 1]), m.pool.state.tolist(), m._claimed.tolist()
+
+    assert run(True) == run(False)
+
+
+def test_append_of_no_slots_at_a_block_boundary_and_to_a_swapped_sequence():
+    """Both paths: 0 slots change nothing; a swapped-out sequence cannot grow."""
+    for fast in (True, False):
+        m = make(NullPrefixIndex(), num_blocks=4, num_host_blocks=4)
+        m.fast_appends = fast
+        prefill(m, 0, [7] * BS)
+        before = (_decode_state(m, [0]), m._claimed.tolist())
+        assert m.can_append(0, 0)
+        assert m.append(0, 0) == KVOps()
+        assert (_decode_state(m, [0]), m._claimed.tolist()) == before
+        m.swap_out(0)
+        with pytest.raises(ValueError, match="seq 0 is swapped out"):
+            m.append(0, 1)
+        m.check()
 
 
 def _decode_state(m: PagedKVManager, seq_ids) -> tuple:

@@ -320,26 +320,24 @@ class PagedKVManager(SeqTable):
                         self._claimed_at[last] = end
                         seq.num_tokens += num_new_tokens
                         return NO_OPS
-                else:
-                    # A full table gains one fresh block (a decode step crossing into its
-                    # next block): _grow's one-block case while a block is free, so nothing
-                    # is evicted and no check can fail. The pool pops the same block and
-                    # tells the same listener; BlockPool.allocate raises MemoryError,
-                    # changing nothing, when none is free, and the general path below
-                    # then evicts or raises. A fresh block has no sequence reference yet:
-                    # it gains its first one and claims the slots.
-                    try:
-                        block = self.pool.allocate()
-                    except MemoryError:
-                        pass
-                    else:
-                        self._seq_refs_at[block] = 1
-                        self._claimed_at[block] = num_new_tokens
-                        self._num_blocks_in_use += 1
-                        self._num_token_slots += num_new_tokens
-                        seq.block_ids.append(block)
-                        seq.num_tokens += num_new_tokens
-                        return NO_OPS
+                elif self.pool.num_free:
+                    # A full table (check(): a table holds ceil(num_tokens / block_size)
+                    # blocks, so offset 0 means no partial block) gains one fresh block: a
+                    # decode step crossing into its next block. This is _grow's one-block
+                    # case while a block is free, so nothing is evicted and no check can
+                    # fail: the pool pops the block allocate_array(1) would, with the same
+                    # listener call, and the block, which no table holds yet, gets its
+                    # first sequence reference and the claimed slots (native.claim_fresh's
+                    # and _grow's counts for one block). Without a free block the general
+                    # path evicts or raises.
+                    block = self.pool.allocate()
+                    self._seq_refs_at[block] = 1
+                    self._claimed_at[block] = num_new_tokens
+                    self._num_blocks_in_use += 1
+                    self._num_token_slots += num_new_tokens
+                    seq.block_ids.append(block)
+                    seq.num_tokens += num_new_tokens
+                    return NO_OPS
         seq = self._resident(seq_id, "append")
         if num_new_tokens < 0:
             raise ValueError(f"append: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")
