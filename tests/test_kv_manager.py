@@ -25,14 +25,18 @@ BS = 4
 SYSTEM = [100, 101, 102, 103, 104, 105, 106, 107]  # two full blocks
 
 
-def make(index=None, num_blocks=8, num_host_blocks=0, bytes_per_token=10) -> PagedKVManager:
-    return PagedKVManager(
+def make(
+    index=None, num_blocks=8, num_host_blocks=0, bytes_per_token=10, fast_appends=True
+) -> PagedKVManager:
+    m = PagedKVManager(
         num_blocks=num_blocks,
         block_size=BS,
         bytes_per_token=bytes_per_token,
         prefix_index=index if index is not None else BlockHashPrefixIndex(),
         num_host_blocks=num_host_blocks,
     )
+    m.fast_appends = fast_appends  # False: the general path only (the append differential)
+    return m
 
 
 def prefill(m: PagedKVManager, seq_id: int, tokens: list[int], extra_key=None) -> tuple[int, KVOps]:
@@ -434,12 +438,10 @@ def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
     the partial-block path must copy around; appends of 0 slots and to swapped sequences
     must fail or pass as the general path does. The exact cases are pinned below."""
 
-    def manager(fast: bool) -> PagedKVManager:
-        m = PagedKVManager(num_blocks, BS, 2, INDEXES[index_name](), num_host_blocks=4)
-        m.fast_appends = fast
-        return m
-
-    fast, plain = manager(True), manager(False)
+    fast, plain = (
+        make(INDEXES[index_name](), num_blocks, num_host_blocks=4, bytes_per_token=2, fast_appends=fast)
+        for fast in (True, False)
+    )
     tokens: dict[int, list[int]] = {}
     next_id = 0
 
@@ -507,8 +509,7 @@ def test_a_crossing_append_takes_a_cached_block_as_the_general_path_does(index_n
     behind it). Both leave what the general path alone leaves."""
 
     def run(fast: bool) -> tuple:
-        m = make(INDEXES[index_name](), num_blocks=4)
-        m.fast_appends = fast
+        m = make(INDEXES[index_name](), num_blocks=4, fast_appends=fast)
         prefill(m, 9, SYSTEM)
         cached = m.block_table(9)
         m.free(9)  # two cached blocks: cached-free (hash) or reclaimable (radix)
@@ -528,8 +529,7 @@ def test_a_crossing_append_takes_a_cached_block_as_the_general_path_does(index_n
 def test_append_of_no_slots_at_a_block_boundary_and_to_a_swapped_sequence():
     """Both paths: 0 slots change nothing; a swapped-out sequence cannot grow."""
     for fast in (True, False):
-        m = make(NullPrefixIndex(), num_blocks=4, num_host_blocks=4)
-        m.fast_appends = fast
+        m = make(NullPrefixIndex(), num_blocks=4, num_host_blocks=4, fast_appends=fast)
         prefill(m, 0, [7] * BS)
         before = (_decode_state(m, [0]), m._claimed.tolist())
         assert m.can_append(0, 0)
