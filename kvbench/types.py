@@ -39,6 +39,15 @@ class ComputedTokenIds(Protocol):
     def ids(self) -> np.ndarray: ...
 
 
+def is_computed_token_ids(prompt: object) -> bool:
+    """Whether ``prompt``'s class implements ``ComputedTokenIds``: ``issubclass`` of its
+    type, which the ABC machinery caches per class (about 0.2 us a call; the engine asks
+    once per request of a trace). ``isinstance``'s runtime check costs about 6 us in
+    Python 3.11 (a hasattr per member) and would also accept an instance that sets a
+    member its class lacks as its own attribute. Pure."""
+    return issubclass(type(prompt), ComputedTokenIds)
+
+
 @dataclass(frozen=True, eq=False)
 class Request:
     """One user request as a workload produces it.
@@ -84,7 +93,7 @@ class Request:
         """This request with its prompt's ids held: itself unless the prompt is
         ``ComputedTokenIds``, else a copy whose prompt is their read-only array. Pure."""
         prompt = self.prompt_token_ids
-        if isinstance(prompt, ComputedTokenIds):
+        if is_computed_token_ids(prompt):
             return replace(self, prompt_token_ids=prompt.ids())
         return self
 
@@ -96,7 +105,7 @@ class Request:
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if f.name == "prompt_token_ids" and any(
-                isinstance(prompt, (np.ndarray, ComputedTokenIds)) for prompt in (mine, theirs)
+                isinstance(prompt, np.ndarray) or is_computed_token_ids(prompt) for prompt in (mine, theirs)
             ):
                 if not np.array_equal(np.asarray(mine), np.asarray(theirs)):
                     return False

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from run_fixtures import run_kvbench
 
-from kvbench.types import ComputedTokenIds
+from kvbench.types import ComputedTokenIds, is_computed_token_ids
 from kvbench.workloads.distributions import EmpiricalLength
 from kvbench.workloads.errors import TraceError, WorkloadConfigError
 from kvbench.workloads.replay import RandomPrompt, ReplayOptions, replay, scaled_block_lengths
@@ -418,6 +418,51 @@ def test_mooncake_prompts_are_computed_per_hash_block_as_read_only_int32_arrays(
         offsets = np.concatenate([np.arange(n) for n in lengths])
         assert np.array_equal(prompt, keyed_token_ids(3, keys, offsets, BIG_VOCAB))
         assert by_line[record.line].num_prompt_tokens == len(prompt) == lengths.sum()
+
+
+def test_the_computed_prompt_check_is_the_protocol_check_by_class() -> None:
+    """``is_computed_token_ids`` (the engine asks it once per request) answers as
+    ``isinstance(prompt, ComputedTokenIds)`` for every kind of prompt a workload
+    produces and for classes that hold some of the protocol's methods but not all, asked
+    first or again; it decides by class, so an instance that sets a missing member as its
+    own attribute is no ComputedTokenIds."""
+    mooncake = replay(
+        parse_trace(MOONCAKE_CONV), ReplayOptions(length_scale=1 / 16, max_requests=2), vocab_size=BIG_VOCAB
+    )
+    azure = replay(parse_trace(AZURE_CONV), ReplayOptions(length_scale=0.1, max_requests=2), vocab_size=4096)
+
+    class LengthOnly:  # __len__ and __getitem__, no ids() or __array__
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, index: int) -> int:
+            return 7
+
+    class AllMembers(LengthOnly):
+        def __array__(self, dtype: object = None, copy: bool | None = None) -> np.ndarray:
+            return np.full(3, 7)
+
+        def ids(self) -> np.ndarray:
+            return np.full(3, 7)
+
+    prompts = [
+        mooncake.requests[0].prompt_token_ids,
+        azure.requests[0].prompt_token_ids,
+        mooncake.requests[0].with_prompt_in_memory().prompt_token_ids,
+        [1, 2, 3],
+        (1, 2, 3),
+        np.arange(3),
+        "abc",
+        LengthOnly(),
+        AllMembers(),
+    ]
+    expected = [True, True, False, False, False, False, False, False, True]
+    for _ in range(2):  # the first answer per class and the cached one
+        assert [is_computed_token_ids(p) for p in prompts] == expected
+        assert [isinstance(p, ComputedTokenIds) for p in prompts] == expected
+    patched = LengthOnly()
+    patched.ids = patched.__array__ = lambda *args: np.full(3, 7)  # type: ignore[attr-defined]
+    assert isinstance(patched, ComputedTokenIds) and not is_computed_token_ids(patched)
 
 
 def test_length_only_prompts_are_drawn_when_read_as_read_only_int32_arrays() -> None:

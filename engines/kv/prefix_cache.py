@@ -667,7 +667,8 @@ class BlockHashPrefixIndex:
         self._num_registered += registered
         for state, num_entries in zip(steps.states, steps.num_entries):
             state.num_blocks += num_entries
-        pool.tell_reused(reused[:num_reused])  # the drops, as the pool's allocations would have told
+        if num_reused:  # the drops, as the pool's allocations would have told (none on a commit)
+            pool.tell_reused(reused[:num_reused])
         return taken, reused_per_step
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:

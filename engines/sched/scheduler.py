@@ -1343,7 +1343,15 @@ class Scheduler:
         group.peak_kv_slots_unshared = max(group.peak_kv_slots_unshared, unshared)
 
     def _insert(self, queue: list[SequenceGroup], group: SequenceGroup) -> None:
-        bisect.insort(queue, group, key=self.policy.key)
+        """Put ``group`` into ``queue`` (sorted by the policy's key) after every group whose
+        key is not greater: ``bisect.insort``. A group no earlier than the last (arrivals
+        and admissions, most often) is appended without the search's key calls."""
+        key = self.policy.key
+        own = key(group)
+        if not queue or key(queue[-1]) <= own:
+            queue.append(group)  # where insort puts it: after the last key <= its own
+        else:
+            queue.insert(bisect.bisect_right(queue, own, key=key), group)
         if queue is self.running:
             self._unchecked[id(group)] = group
 
@@ -1370,9 +1378,16 @@ class Scheduler:
         Every attached sequence of a running or swapped group holds exactly its computed
         tokens' slots; a detached one (see ``_attach``) holds nothing, has computed nothing
         and is not the leader; waiting groups hold none; the sequence budget matches the
-        running groups, and ``num_running_seqs`` their live sequences.
+        running groups, and ``num_running_seqs`` their live sequences; each queue is in the
+        victim policy's order.
         """
         kv = self.kv
+        key = self.policy.key
+        for name, queue in (("waiting", self.waiting), ("running", self.running), ("swapped", self.swapped)):
+            for before, after in zip(queue, queue[1:]):
+                assert key(before) <= key(after), (
+                    f"{name} queue out of {self.policy.name} order: {before.request_id} before {after.request_id}"
+                )
         for queue, status in ((self.running, GroupStatus.RUNNING), (self.swapped, GroupStatus.SWAPPED)):
             for group in queue:
                 assert group.status is status, (

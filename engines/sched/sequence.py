@@ -23,7 +23,7 @@ from collections.abc import MutableSequence
 import numpy as np
 
 from kvbench.engines.kv.token_ids import ArrayTokenIds, KeyCarrier, KeyedTokenIds
-from kvbench.types import ComputedTokenIds, FinishedRequest, Request
+from kvbench.types import FinishedRequest, Request, is_computed_token_ids
 
 
 class GroupStatus(enum.Enum):
@@ -147,8 +147,7 @@ class SequenceGroup:
         # the group is matched or scheduled: a queue of thousands holds no ids.
         prompt = request.prompt_token_ids
         integer_array = isinstance(prompt, np.ndarray) and prompt.dtype.kind in "iu"
-        # A list or tuple is never computed when read: the (slow) protocol check is for the rest.
-        if integer_array or (not isinstance(prompt, (list, tuple)) and isinstance(prompt, ComputedTokenIds)):
+        if integer_array or is_computed_token_ids(prompt):
             tokens: ArrayTokenIds | KeyedTokenIds = ArrayTokenIds(prompt)
         else:
             tokens = KeyedTokenIds(prompt)

@@ -148,7 +148,7 @@ class _Carry:
     @classmethod
     def of(cls, seq_ids: np.ndarray, columns: BatchColumns, run: DecodeRun) -> _Carry:
         """The carry of a batch of ``seq_ids`` (int64 [seq], distinct, in row order). Pure."""
-        order = np.argsort(seq_ids)
+        order = seq_ids.argsort()  # the method: np.argsort adds a Python-level dispatch per call
         return cls(seq_ids[order], order, columns, run)
 
     def rows(
@@ -160,7 +160,7 @@ class _Carry:
         known = self.sorted_ids
         if not len(known):
             return np.full(len(id_array), -1, dtype=np.int64)
-        at = np.searchsorted(known, id_array)
+        at = known.searchsorted(id_array)  # (the method, as argsort in ``of``)
         np.minimum(at, len(known) - 1, out=at)  # past the last: compared below, unequal
         rows = np.where(known[at] == id_array, self.rows_by_id[at], -1)
         if not changed:
