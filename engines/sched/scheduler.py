@@ -1384,9 +1384,11 @@ class Scheduler:
         kv = self.kv
         key = self.policy.key
         for name, queue in (("waiting", self.waiting), ("running", self.running), ("swapped", self.swapped)):
-            for before, after in zip(queue, queue[1:]):
-                assert key(before) <= key(after), (
-                    f"{name} queue out of {self.policy.name} order: {before.request_id} before {after.request_id}"
+            keys = [key(group) for group in queue]  # once each: key is a Python call
+            for at in range(1, len(queue)):
+                assert keys[at - 1] <= keys[at], (
+                    f"{name} queue out of {self.policy.name} order: "
+                    f"{queue[at - 1].request_id} before {queue[at].request_id}"
                 )
         for queue, status in ((self.running, GroupStatus.RUNNING), (self.swapped, GroupStatus.SWAPPED)):
             for group in queue:
