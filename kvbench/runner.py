@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import itertools
 import math
 import operator
 import sys
@@ -406,7 +405,7 @@ def replay(
                 steps.add_covered(timing, covered)
                 num_steps += len(ends)
                 # Every batch sequence produced one token in each covered step: counted
-                # into the request logs many runs at a time (and when the replay ends).
+                # into the request logs when it leaves the batch (or the replay ends).
                 covered_tokens.add(covered, ends)
                 num_tokens += len(ends) * len(covered.request_ids)
             else:
@@ -489,114 +488,82 @@ def replay(
     )
 
 
-# Covered tokens _CoveredTokens holds before counting them into the request logs: bounds
-# its arrays, and the logs grow through the run as they would token by token.
-_COUNT_TOKENS_AT_ONCE = 1 << 20
-
-
 class _CoveredTokens:
-    """The tokens of multi-step outputs, counted into the request logs in numpy, many
-    runs at a time (at least every ``_COUNT_TOKENS_AT_ONCE`` tokens, and at the end of
-    the replay), instead of a Python pass over each run's batch: a ShareGPT-like replay
-    covers ~100 sequences per step.
+    """The tokens of multi-step outputs, counted into the request logs per stretch of
+    consecutive outputs whose batch holds a sequence, instead of a Python pass over each
+    output's batch per token: a ShareGPT-like replay covers ~200 sequences per output.
 
     Nothing reads a log's token counts, first-token time or token times before the
-    replay ends. Each run adds, per batch sequence, its step count to the request's
-    generated tokens; the run's first step end is a first-token time (the earliest
-    one counts); sample 0's sequence adds every step end to the request's token times,
-    which stay in time order (the clock never goes back)."""
+    replay ends. A sequence (sample ``s`` of request ``r``) that is in the batch of
+    consecutive outputs k..m produced one token in each of their steps, whose end times
+    are one slice of ``_ends`` (every covered step's end, in order: a normal step in
+    between adds nothing there): ``add`` opens that stretch at output k (the slice's
+    start) and closes it at the first output without it (or ``count`` at the end), which
+    adds the slice's length to the request's generated tokens, its first end as a
+    first-token time (the earliest one counts), and, for sample 0, its ends to the
+    request's token times, which stay in time order (the clock never goes back).
+    Per output: a set difference with the previous batch, O(batch) in C; per stretch, a
+    few Python operations."""
 
-    __slots__ = ("_logs", "_runs", "_num_pending")
+    __slots__ = ("_logs", "_ends", "_ids", "_samples", "_keys", "_open")
 
     def __init__(self, logs: dict[str, _RequestLog]) -> None:
-        self._logs = logs  # by request id: every request id of a run is there
-        # Per covered output since the last count: its request ids and sample indexes
-        # (per batch sequence) and its steps' end times.
-        self._runs: list[tuple[tuple[str, ...], tuple[int, ...], list[float]]] = []
-        self._num_pending = 0
+        self._logs = logs  # by request id: every request id of an output is there
+        # Every covered step's end (the outputs' own float objects, shared with the logs'
+        # token times): 8 bytes a step, next to the steps frame's ~45 columns.
+        self._ends: list[float] = []
+        # The last output's batch: request ids and sample indexes (per sequence), and its
+        # sequences' keys: the request id where every sample index is 0 (most batches),
+        # else (request id, sample index). A sequence keyed both ways in consecutive
+        # outputs closes one stretch and opens another, with the same counts.
+        self._ids: tuple[str, ...] = ()
+        self._samples: tuple[int, ...] = ()
+        self._keys: set[str | tuple[str, int]] = set()
+        self._open: dict[str | tuple[str, int], int] = {}  # key -> its stretch's start in _ends
 
     def add(self, covered: CoveredSteps, ends: list[float]) -> None:
-        """Record ``covered``'s batch, whose steps ended at ``ends``; counts what it holds
-        into the logs once that reaches ``_COUNT_TOKENS_AT_ONCE`` tokens. Mutates itself
-        and then the logs."""
-        self._runs.append((covered.request_ids, covered.sample_indexes, ends))
-        self._num_pending += len(ends) * len(covered.request_ids)
-        if self._num_pending >= _COUNT_TOKENS_AT_ONCE:
-            self.count()
+        """Record ``covered``'s batch, whose steps ended at ``ends`` (one per step, in
+        order); counts the stretches it ends into the logs. Mutates itself and the logs."""
+        at = len(self._ends)
+        self._ends += ends
+        ids, samples = covered.request_ids, covered.sample_indexes
+        if ids == self._ids and samples == self._samples:
+            return  # the same batch: its stretches go on
+        single = samples.count(0) == len(samples)  # (count: a C scan, identity first)
+        keys: set[str | tuple[str, int]] = set(ids if single else zip(ids, samples))
+        for key in self._keys - keys:
+            self._close(key, at)
+        opening = dict.fromkeys(keys - self._keys, at)
+        self._open.update(opening)
+        self._ids, self._samples, self._keys = ids, samples, keys
 
     def count(self) -> None:
-        """Add the recorded runs' tokens to the logs. Mutates the logs; empties itself."""
-        runs, self._runs, self._num_pending = self._runs, [], 0
-        if not runs:
-            return
-        logs = self._logs
-        seqs_per_run = np.fromiter((len(ids) for ids, _, _ in runs), np.int64, len(runs))
-        steps_per_run = np.fromiter((len(ends) for _, _, ends in runs), np.int64, len(runs))
-        # The runs' own float objects, in order: a step's end time is one object however
-        # many requests' token times hold it (a float per token would double those lists).
-        end_objects = list(itertools.chain.from_iterable(ends for _, _, ends in runs))
-        ends = np.array(end_objects, dtype=np.float64)
-        first_end = np.cumsum(steps_per_run) - steps_per_run  # each run's offset in ends
-        # Per (run, batch sequence) pair: its request (a position in `order`), run, sample.
-        # Object dtype: pandas hashes the ids' own str objects (hashes cached); its default
-        # string dtype would first copy ~100 ids a run into an Arrow array.
-        pair_ids = np.fromiter(
-            itertools.chain.from_iterable(ids for ids, _, _ in runs),
-            dtype=object,
-            count=int(seqs_per_run.sum()),
-        )
-        codes, order = pd.factorize(pair_ids)
-        samples = np.fromiter(
-            itertools.chain.from_iterable(indexes for _, indexes, _ in runs), np.int64, len(codes)
-        )
-        pair_run = np.repeat(np.arange(len(runs)), seqs_per_run)
-        pair_steps = steps_per_run[pair_run]
-        generated = np.zeros(len(order), dtype=np.int64)
-        np.add.at(generated, codes, pair_steps)
-        first_token_s = np.full(len(order), np.inf)
-        np.minimum.at(first_token_s, codes, ends[first_end[pair_run]])
-        # Sample 0's token times: each pair's run's step ends, a slice of `ends`, grouped
-        # by request: the pairs are sorted (stably, keeping each request's runs in replay
-        # order, hence its times in time order), and a request's slices that adjoin
-        # (consecutive runs) merge, so that a request takes a few slices of the float
-        # objects, not one lookup per token.
-        zero = samples == 0
-        zero_codes = codes[zero]
-        by_request = np.argsort(zero_codes, kind="stable")
-        zero_codes = zero_codes[by_request]
-        slice_start = first_end[pair_run[zero][by_request]]
-        slice_stop = slice_start + pair_steps[zero][by_request]
-        continues = np.zeros(len(zero_codes), dtype=bool)  # a slice extending the one before
-        continues[1:] = (zero_codes[1:] == zero_codes[:-1]) & (slice_start[1:] == slice_stop[:-1])
-        heads = np.flatnonzero(~continues)
-        lasts = np.empty(len(heads), dtype=np.int64)  # each merged slice's last pair
-        lasts[:-1] = heads[1:] - 1
-        lasts[-1:] = len(zero_codes) - 1  # none when no pair is a sample 0's
-        starts = slice_start[heads].tolist()
-        stops = slice_stop[lasts].tolist()
-        # Request c's merged slices: starts / stops [bounds[c] : bounds[c + 1]].
-        bounds = np.searchsorted(zero_codes[heads], np.arange(len(order) + 1)).tolist()
-        for code, (request_id, num_generated, first) in enumerate(
-            zip(order, generated.tolist(), first_token_s.tolist())
-        ):
-            log = logs[request_id]
-            log.num_generated_tokens += num_generated
-            if not first >= log.first_token_s:  # NaN (none yet) or later
-                log.first_token_s = first
-            low, high = bounds[code], bounds[code + 1]
-            if high == low + 1:
-                covered_times = end_objects[starts[low] : stops[low]]
-            else:
-                covered_times = list(
-                    itertools.chain.from_iterable(
-                        end_objects[start:stop] for start, stop in zip(starts[low:high], stops[low:high])
-                    )
-                )
-            if covered_times:
+        """Close every open stretch (the replay ended). Mutates the logs; empties itself."""
+        at = len(self._ends)
+        for key in list(self._open):
+            self._close(key, at)
+        self._ids, self._samples, self._keys = (), (), set()
+        self._ends = []
+
+    def _close(self, key: str | tuple[str, int], stop: int) -> None:
+        """Count the stretch of ``key`` that ends before ``_ends[stop]`` into its log."""
+        start = self._open.pop(key)
+        request_id, sample = (key, 0) if isinstance(key, str) else key
+        log = self._logs[request_id]
+        log.num_generated_tokens += stop - start
+        first = self._ends[start]
+        if not first >= log.first_token_s:  # NaN (none yet) or later
+            log.first_token_s = first
+        if sample == 0:
+            covered_times = self._ends[start:stop]
+            times = log.token_times_s
+            if not times:
+                log.token_times_s = covered_times
+            elif times[-1] <= covered_times[0]:
+                times += covered_times
+            else:  # token events of a normal step taken while the stretch was open
                 # Both lists are in time order: the merge is a sort of two runs.
-                log.token_times_s = (
-                    sorted(log.token_times_s + covered_times) if log.token_times_s else covered_times
-                )
+                log.token_times_s = sorted(times + covered_times)
 
 
 # Steps gathered as Python values before they become numpy columns: a long simulated
@@ -643,10 +610,17 @@ class StepsRecorder:
         as one iterable each. Covered steps take the template's value in each column, but
         where ``covered.columns`` varies it."""
         self._enter(type(covered.template))
+        num = len(covered)
+        if num == 1 and not covered.columns:
+            # One step that is its template (an admission step): the row ``add`` records.
+            self._rows.append(
+                tuple([next(iter(values)) for values in timing]) + self._getter(covered.template)
+            )
+            self._count(1)
+            return
         cells = self._cells
         _extend_columns(cells, self._rows)
         self._rows = []
-        num = len(covered)
         for index, values in enumerate(timing):
             cells[index].extend(values)
         varying = {self._position[path]: values for path, values in covered.columns.items()}

@@ -197,6 +197,111 @@ def test_covered_steps_record_like_the_same_steps_one_per_call() -> None:
     assert together.requests["token_times_s"][0] == pytest.approx([0.5, 0.75, 1.0, 1.3, 1.4, 1.9])
 
 
+class RandomCoveringEngine:
+    """A scripted replay of ``num_outputs`` outputs (``seed``) over every request's samples
+    (request ``i`` has ``1 + i % 3``): multi-step outputs whose batch keeps most sequences
+    of the one before and gains or loses others (a preempted one comes back), some in
+    consecutive outputs with the very same batch; single covered steps that also carry
+    token events for sequences outside their batch (an admission step); plain steps with
+    token events between them. With ``split``, every covered step is returned as its own
+    plain step with the same tokens (``CoveredSteps.stats`` / ``tokens``). The last step
+    finishes every request."""
+
+    name = "random-covering"
+
+    def __init__(self, seed: int, split: bool, num_outputs: int = 60) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.split = split
+        self.num_outputs = num_outputs
+        self.requests: list[Request] = []
+        self.script: list[StepOutput] | None = None
+
+    def add_request(self, request: Request) -> None:
+        self.requests.append(request)
+
+    def has_unfinished(self) -> bool:
+        return self.script is None or bool(self.script)
+
+    def describe(self) -> dict:
+        return {}
+
+    @staticmethod
+    def _stats(num_tokens: int) -> StepStats:
+        kv = KVUsage(capacity_bytes=100, allocated_bytes=10, token_bytes=8)
+        return StepStats(num_tokens, 0, num_tokens, 0, num_tokens, kv)
+
+    def _events(self, seqs: list[tuple[str, int]]) -> tuple[TokenEvent, ...]:
+        return tuple(TokenEvent(rid, sample, 7) for rid, sample in seqs)
+
+    def _build(self) -> list[StepOutput]:
+        rng = self.rng
+        seqs = [(r.request_id, s) for i, r in enumerate(self.requests) for s in range(1 + i % 3)]
+        batch: list[tuple[str, int]] = []
+        outputs = []
+        for _ in range(self.num_outputs):
+            kind = rng.random()
+            if kind < 0.2:  # a plain step: events for some sequences
+                chosen = [seqs[i] for i in sorted(rng.choice(len(seqs), rng.integers(1, 5), replace=False))]
+                outputs.append(StepOutput(self._events(chosen), (), (), (), self._stats(len(chosen)), 0.125))
+                continue
+            if kind > 0.35 or not batch:  # else the very same batch again
+                kept = [seq for seq in batch if rng.random() < 0.8]
+                joined = [seq for seq in seqs if seq not in batch and rng.random() < 0.3]
+                batch = kept + joined
+                if rng.random() < 0.5:
+                    batch = [batch[i] for i in rng.permutation(len(batch))]
+                if not batch:
+                    batch = [seqs[int(rng.integers(len(seqs)))]]
+            num_steps = int(rng.integers(1, 5))
+            covered = CoveredSteps(
+                durations_s=tuple(float(d) for d in rng.choice([0.25, 0.5, 0.125], num_steps)),
+                template=self._stats(len(batch)),
+                columns={},
+                request_ids=tuple(rid for rid, _ in batch),
+                sample_indexes=tuple(sample for _, sample in batch),
+                token_ids=rng.integers(3, 50, (len(batch), num_steps)),
+            )
+            # An admission step: one covered step with the first tokens of others.
+            outside = [seq for seq in seqs if seq not in batch]
+            events = self._events(outside[:2]) if num_steps == 1 and outside and rng.random() < 0.5 else ()
+            if not self.split:
+                outputs.append(
+                    StepOutput(
+                        events, (), (), (), covered.template, sum(covered.durations_s), covered_steps=covered
+                    )
+                )
+                continue
+            per_step = covered.tokens()
+            for step in range(num_steps):
+                tokens = tuple(e._replace(step_offset=0) for e in per_step if e.step_offset == step)
+                outputs.append(
+                    StepOutput(tokens + events, (), (), (), covered.stats(step), covered.durations_s[step])
+                )
+        done = tuple(FinishedRequest(r.request_id, ((7,),)) for r in self.requests)
+        outputs.append(StepOutput((), (), done, (), self._stats(0), 0.5))
+        return outputs
+
+    def step(self) -> StepOutput:
+        if self.script is None:
+            self.script = self._build()
+        return self.script.pop(0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_covered_tokens_count_like_the_same_tokens_one_step_at_a_time(seed: int) -> None:
+    """Token counts, first-token times and sample 0's token times of requests whose
+    sequences join, leave and rejoin covered batches, next to plain token events, read the
+    same as when every covered step is returned alone with its tokens as events; so do
+    the steps, single covered steps (recorded as plain rows) included."""
+    workload = _workload([0.0] * 6, max_new=1000)
+    together = replay(RandomCoveringEngine(seed, split=False), workload, SimClock())
+    apart = replay(RandomCoveringEngine(seed, split=True), workload, SimClock())
+    assert together.num_steps == apart.num_steps
+    pd.testing.assert_frame_equal(together.requests, apart.requests, check_exact=True)
+    pd.testing.assert_frame_equal(together.steps, apart.steps, check_exact=True)
+    assert together.requests["num_generated_tokens"].sum() > 0
+
+
 def test_covered_steps_check_their_shape() -> None:
     stats = StepStats(1, 0, 1, 0, 1, KVUsage(capacity_bytes=1, allocated_bytes=0, token_bytes=0))
     with pytest.raises(ValueError, match="no step"):

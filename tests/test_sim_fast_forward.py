@@ -21,7 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim_workloads import mooncake_head
 
-import kvbench.runner as runner_module
 from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
@@ -110,14 +109,6 @@ def assert_identical(
     covered = 1 - fast_engine.num_calls / fast.num_steps
     assert covered >= min_covered_share, f"only {covered:.0%} of steps were fast-forwarded"
     return covered
-
-
-def test_covered_tokens_counted_a_few_at_a_time_read_the_same(monkeypatch):
-    """The runner counts the covered steps' tokens into the request records in batches,
-    at least every runner._COUNT_TOKENS_AT_ONCE tokens: with 5 (a count after every run)
-    the chat scenario below still reads the same as stepping one at a time."""
-    monkeypatch.setattr(runner_module, "_COUNT_TOKENS_AT_ONCE", 5)
-    test_chat_with_shared_prefixes_and_poisson_arrivals()
 
 
 def test_chat_with_shared_prefixes_and_poisson_arrivals():
@@ -316,13 +307,10 @@ def test_eos_ends_runs_when_not_ignored():
     assert_identical(workload, spec=spec, num_blocks=128)
 
 
-@pytest.mark.parametrize("count_at_once", [None, 5])
-def test_runs_after_sample_0_finished(count_at_once, monkeypatch):
+def test_runs_after_sample_0_finished():
     """A best-of-2 request whose sample 0 stops at EOS after one token: the runs that
-    follow hold only sample 1, so the covered tokens the runner counts (once at the end,
-    or after every run) give sample 0 no token time at all."""
-    if count_at_once is not None:
-        monkeypatch.setattr(runner_module, "_COUNT_TOKENS_AT_ONCE", count_at_once)
+    follow hold only sample 1, so the covered tokens the runner counts give sample 0 no
+    token time at all."""
     spec = dataclasses.replace(SPEC, vocab_size=12, eos_token_id=4)
     workload = best_of_n(1, 20, 60, n=2, vocab_size=12, seed=0)
     workload = Workload(
