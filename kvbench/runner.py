@@ -21,7 +21,7 @@ import operator
 import sys
 import time
 import typing
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -161,11 +161,16 @@ class SimClock:
             # Step by step, as single-step outputs would advance it (same float sums).
             self._t = covered_step_ends(self._t, output)[-1]
             return self._t
-        if output.modeled_duration_s is None:
+        duration_s = output.modeled_duration_s
+        if duration_s is None:
             raise RuntimeError(
                 "simulation clock: the engine returned no modeled_duration_s (is it in sim mode?)"
             )
-        self._t += output.modeled_duration_s
+        if not 0.0 <= duration_s < math.inf:  # (as CoveredSteps checks its durations)
+            raise RuntimeError(
+                f"simulation clock: modeled_duration_s must be finite and >= 0, got {duration_s}"
+            )
+        self._t += duration_s
         return self._t
 
 
@@ -488,6 +493,11 @@ def replay(
     )
 
 
+# A batch sequence as _CoveredTokens keys it: its request id (every sample index of the
+# batch is 0) or (request id, sample index).
+_SeqKey = str | tuple[str, int]
+
+
 class _CoveredTokens:
     """The tokens of multi-step outputs, counted into the request logs per stretch of
     consecutive outputs whose batch holds a sequence, instead of a Python pass over each
@@ -496,7 +506,7 @@ class _CoveredTokens:
     Nothing reads a log's token counts, first-token time or token times before the
     replay ends. A sequence (sample ``s`` of request ``r``) that is in the batch of
     consecutive outputs k..m produced one token in each of their steps, whose end times
-    are one slice of ``_ends`` (every covered step's end, in order: a normal step in
+    are one slice of ``_ends_s`` (every covered step's end, in order: a normal step in
     between adds nothing there): ``add`` opens that stretch at output k (the slice's
     start) and closes it at the first output without it (or ``count`` at the end), which
     adds the slice's length to the request's generated tokens, its first end as a
@@ -505,32 +515,38 @@ class _CoveredTokens:
     Per output: a set difference with the previous batch, O(batch) in C; per stretch, a
     few Python operations."""
 
-    __slots__ = ("_logs", "_ends", "_ids", "_samples", "_keys", "_open")
+    __slots__ = ("_logs", "_ends_s", "_ids", "_samples", "_keys", "_open")
 
     def __init__(self, logs: dict[str, _RequestLog]) -> None:
         self._logs = logs  # by request id: every request id of an output is there
         # Every covered step's end (the outputs' own float objects, shared with the logs'
         # token times): 8 bytes a step, next to the steps frame's ~45 columns.
-        self._ends: list[float] = []
+        self._ends_s: list[float] = []
         # The last output's batch: request ids and sample indexes (per sequence), and its
         # sequences' keys: the request id where every sample index is 0 (most batches),
         # else (request id, sample index). A sequence keyed both ways in consecutive
         # outputs closes one stretch and opens another, with the same counts.
         self._ids: tuple[str, ...] = ()
         self._samples: tuple[int, ...] = ()
-        self._keys: set[str | tuple[str, int]] = set()
-        self._open: dict[str | tuple[str, int], int] = {}  # key -> its stretch's start in _ends
+        self._keys: set[_SeqKey] = set()
+        self._open: dict[_SeqKey, int] = {}  # key -> its stretch's start in _ends_s
 
     def add(self, covered: CoveredSteps, ends: list[float]) -> None:
         """Record ``covered``'s batch, whose steps ended at ``ends`` (one per step, in
         order); counts the stretches it ends into the logs. Mutates itself and the logs."""
-        at = len(self._ends)
-        self._ends += ends
+        at = len(self._ends_s)
+        self._ends_s += ends
         ids, samples = covered.request_ids, covered.sample_indexes
         if ids == self._ids and samples == self._samples:
             return  # the same batch: its stretches go on
         single = samples.count(0) == len(samples)  # (count: a C scan, identity first)
-        keys: set[str | tuple[str, int]] = set(ids if single else zip(ids, samples))
+        keys: set[_SeqKey] = set(ids if single else zip(ids, samples))
+        if len(keys) != len(ids):
+            (request_id, sample), _ = Counter(zip(ids, samples)).most_common(1)[0]
+            raise ValueError(
+                f"CoveredSteps: sample {sample} of request {request_id!r} has two rows in one "
+                "batch (one row per batch sequence)"
+            )
         for key in self._keys - keys:
             self._close(key, at)
         opening = dict.fromkeys(keys - self._keys, at)
@@ -539,23 +555,23 @@ class _CoveredTokens:
 
     def count(self) -> None:
         """Close every open stretch (the replay ended). Mutates the logs; empties itself."""
-        at = len(self._ends)
+        at = len(self._ends_s)
         for key in list(self._open):
             self._close(key, at)
         self._ids, self._samples, self._keys = (), (), set()
-        self._ends = []
+        self._ends_s = []
 
-    def _close(self, key: str | tuple[str, int], stop: int) -> None:
-        """Count the stretch of ``key`` that ends before ``_ends[stop]`` into its log."""
+    def _close(self, key: _SeqKey, stop: int) -> None:
+        """Count the stretch of ``key`` that ends before ``_ends_s[stop]`` into its log."""
         start = self._open.pop(key)
         request_id, sample = (key, 0) if isinstance(key, str) else key
         log = self._logs[request_id]
         log.num_generated_tokens += stop - start
-        first = self._ends[start]
+        first = self._ends_s[start]
         if not first >= log.first_token_s:  # NaN (none yet) or later
             log.first_token_s = first
         if sample == 0:
-            covered_times = self._ends[start:stop]
+            covered_times = self._ends_s[start:stop]
             times = log.token_times_s
             if not times:
                 log.token_times_s = covered_times

@@ -6,6 +6,7 @@ workloads import these types; the core never imports a specific engine or worklo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -250,6 +251,9 @@ class CoveredSteps:
     [batch sequence, step]; the record keeps a read-only copy of what it is given).
     Column-wise because one StepStats and one TokenEvent per token cost more than
     simulating the step (a recorded trace covers hundreds of thousands of steps).
+    Durations are finite and >= 0 (simulated time never goes back); the batch's
+    ``request_ids`` and ``sample_indexes`` are kept as tuples, one distinct (request,
+    sample) pair per row (the runner checks distinctness, where it builds their set).
     """
 
     durations_s: tuple[float, ...]
@@ -263,6 +267,12 @@ class CoveredSteps:
         num_steps = len(self.durations_s)
         if num_steps == 0:
             raise ValueError("CoveredSteps: no step (a single step is a plain StepOutput)")
+        # (min catches a negative duration; the sum a NaN or an infinite one.)
+        if not (min(self.durations_s) >= 0.0 and sum(self.durations_s) < math.inf):
+            raise ValueError(f"CoveredSteps: durations_s must be finite and >= 0, got {self.durations_s}")
+        # tuple() of a tuple is the same object: no copy in the common case.
+        object.__setattr__(self, "request_ids", tuple(self.request_ids))
+        object.__setattr__(self, "sample_indexes", tuple(self.sample_indexes))
         for path, values in self.columns.items():
             if len(values) != num_steps:
                 raise ValueError(

@@ -230,7 +230,8 @@ class RandomCoveringEngine:
         kv = KVUsage(capacity_bytes=100, allocated_bytes=10, token_bytes=8)
         return StepStats(num_tokens, 0, num_tokens, 0, num_tokens, kv)
 
-    def _events(self, seqs: list[tuple[str, int]]) -> tuple[TokenEvent, ...]:
+    @staticmethod
+    def _events(seqs: list[tuple[str, int]]) -> tuple[TokenEvent, ...]:
         return tuple(TokenEvent(rid, sample, 7) for rid, sample in seqs)
 
     def _build(self) -> list[StepOutput]:
@@ -250,13 +251,16 @@ class RandomCoveringEngine:
                 batch = kept + joined
                 if rng.random() < 0.5:
                     batch = [batch[i] for i in rng.permutation(len(batch))]
-                if not batch:
-                    batch = [seqs[int(rng.integers(len(seqs)))]]
+                if rng.random() < 0.05:
+                    batch = []  # a batch of no sequence at all
             num_steps = int(rng.integers(1, 5))
+            # Some steps take no time (equal end times), some a non-binary fraction.
+            durations_s = tuple(float(d) for d in rng.choice([0.25, 0.5, 0.125, 0.0, 0.1], num_steps))
             covered = CoveredSteps(
-                durations_s=tuple(float(d) for d in rng.choice([0.25, 0.5, 0.125], num_steps)),
+                durations_s=durations_s,
                 template=self._stats(len(batch)),
-                columns={},
+                # Now and then a column that varies, a single step's too.
+                columns={"num_evicted_blocks": list(range(7, 7 + num_steps))} if rng.random() < 0.2 else {},
                 request_ids=tuple(rid for rid, _ in batch),
                 sample_indexes=tuple(sample for _, sample in batch),
                 token_ids=rng.integers(3, 50, (len(batch), num_steps)),
@@ -300,6 +304,30 @@ def test_covered_tokens_count_like_the_same_tokens_one_step_at_a_time(seed: int)
     pd.testing.assert_frame_equal(together.requests, apart.requests, check_exact=True)
     pd.testing.assert_frame_equal(together.steps, apart.steps, check_exact=True)
     assert together.requests["num_generated_tokens"].sum() > 0
+
+
+def test_covered_steps_with_a_sequence_twice_in_one_batch_are_refused() -> None:
+    class TwiceEngine(RandomCoveringEngine):
+        def _build(self) -> list[StepOutput]:
+            rid = self.requests[0].request_id
+            covered = CoveredSteps((0.5,), self._stats(2), {}, (rid, rid), (0, 0), [[5], [6]])
+            return [StepOutput((), (), (), (), covered.template, 0.5, covered_steps=covered)]
+
+    with pytest.raises(ValueError, match="sample 0 of request 'r0' has two rows in one batch"):
+        replay(TwiceEngine(0, split=False), _workload([0.0]), SimClock())
+
+
+def test_simulated_durations_are_finite_and_not_negative() -> None:
+    stats = RandomCoveringEngine._stats(1)
+    for bad in (-0.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match="durations_s must be finite and >= 0"):
+            CoveredSteps((0.25, bad), stats, {}, ("r",), (0,), [[5, 6]])
+        with pytest.raises(RuntimeError, match="modeled_duration_s must be finite and >= 0"):
+            replay(ScriptedEngine(step_s=bad), _workload([0.0]), SimClock())
+    # The batch's columns are tuples whatever sequence they are given as.
+    covered = CoveredSteps((0.0, 0.25), stats, {}, ["r"], np.array([0]), [[5, 6]])
+    assert covered.request_ids == ("r",) and covered.sample_indexes == (0,)
+    assert type(covered.request_ids) is tuple and type(covered.sample_indexes) is tuple
 
 
 def test_covered_steps_check_their_shape() -> None:
