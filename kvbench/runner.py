@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from kvbench.types import ArrivalAwareEngine, CoveredSteps, Engine, StepOutput, Workload
+from kvbench.types import ArrivalAwareEngine, CoveredSteps, Engine, StepOutput, Workload, durations_valid
 
 # A step that schedules nothing, emits nothing and retires nothing is "stuck"; this many
 # in a row means the engine cannot make progress and the run fails instead of hanging.
@@ -166,7 +166,7 @@ class SimClock:
             raise RuntimeError(
                 "simulation clock: the engine returned no modeled_duration_s (is it in sim mode?)"
             )
-        if not 0.0 <= duration_s < math.inf:  # (as CoveredSteps checks its durations)
+        if not durations_valid((duration_s,)):
             raise RuntimeError(
                 f"simulation clock: modeled_duration_s must be finite and >= 0, got {duration_s}"
             )
@@ -549,8 +549,7 @@ class _CoveredTokens:
             )
         for key in self._keys - keys:
             self._close(key, at)
-        opening = dict.fromkeys(keys - self._keys, at)
-        self._open.update(opening)
+        self._open.update(dict.fromkeys(keys - self._keys, at))
         self._ids, self._samples, self._keys = ids, samples, keys
 
     def count(self) -> None:

@@ -49,6 +49,13 @@ def is_computed_token_ids(prompt: object) -> bool:
     return issubclass(type(prompt), ComputedTokenIds)
 
 
+def durations_valid(durations_s: Sequence[float]) -> bool:
+    """Whether every one of ``durations_s`` (at least one) is finite and >= 0: simulated
+    time never goes back. ``min`` catches a negative one, the sum a NaN or an infinite
+    one (both C loops). Pure."""
+    return min(durations_s) >= 0.0 and sum(durations_s) < math.inf
+
+
 @dataclass(frozen=True, eq=False)
 class Request:
     """One user request as a workload produces it.
@@ -267,8 +274,7 @@ class CoveredSteps:
         num_steps = len(self.durations_s)
         if num_steps == 0:
             raise ValueError("CoveredSteps: no step (a single step is a plain StepOutput)")
-        # (min catches a negative duration; the sum a NaN or an infinite one.)
-        if not (min(self.durations_s) >= 0.0 and sum(self.durations_s) < math.inf):
+        if not durations_valid(self.durations_s):
             raise ValueError(f"CoveredSteps: durations_s must be finite and >= 0, got {self.durations_s}")
         # tuple() of a tuple is the same object: no copy in the common case.
         object.__setattr__(self, "request_ids", tuple(self.request_ids))
