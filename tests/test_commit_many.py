@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex
+from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, _SeqHashState, _StepRegistrations
 from kvbench.engines.kv.radix_cache import RadixPrefixIndex
 from kvbench.engines.kv.token_ids import KeyedTokenIds, TokenPrefix
 
@@ -202,15 +202,65 @@ def test_decode_steps_refuse_a_bad_commit_changing_nothing():
     m.check()
 
 
-def test_allocate_decode_steps_raises_on_an_unknown_seq_changing_nothing():
+@pytest.mark.parametrize("empty_steps_before", [0, 2])
+def test_allocate_decode_steps_raises_on_an_unknown_seq_changing_nothing(empty_steps_before):
+    """Named from the step that holds it, also after steps that commit nothing."""
     m, ids = _decoding_index(1)
     index, pool = m.prefix_index, m.pool
     before = (pool.state.tobytes(), pool.counts.tobytes(), index.registration(0))
-    rows = [[(0, ids[0], 2 * BS, m.block_table(0), None), (9, ids[0], 2 * BS, m.block_table(0), None)]]
+    rows = [[] for _ in range(empty_steps_before)] + [
+        [(0, ids[0], 2 * BS, m.block_table(0), None), (9, ids[0], 2 * BS, m.block_table(0), None)]
+    ]
+    needs = np.zeros(len(rows), dtype=np.int64)
+    needs[-1] = 1
     with pytest.raises(KeyError, match="unknown seq 9"):
-        index.allocate_decode_steps(pool, np.array([1], dtype=np.int64), rows)
+        index.allocate_decode_steps(pool, needs, rows)
     assert (pool.state.tobytes(), pool.counts.tobytes(), index.registration(0)) == before
     m.check()
+
+
+def test_allocate_decode_steps_declines_a_span_that_stops_in_a_later_step_changing_nothing():
+    """A span whose later step holds an entry that is no decode commit (seq 1 completing
+    two blocks at once) is declined (None) as a whole: the decode commit of step 0 stays
+    unregistered, so the caller can step the span one at a time. (No step takes a block
+    here: blocks the index takes belong to the manager's tables, which this bypasses.)"""
+    m, ids = _decoding_index(2)
+    index, pool = m.prefix_index, m.pool
+    before = (pool.state.tobytes(), pool.counts.tobytes(), index.registration(0), index.registration(1))
+    rows = [
+        [(0, ids[0], 2 * BS, m.block_table(0), None)],
+        [],
+        [(1, ids[1], 3 * BS, m.block_table(1), None)],
+    ]
+    assert index.allocate_decode_steps(pool, np.zeros(3, dtype=np.int64), rows) is None
+    assert (
+        pool.state.tobytes(),
+        pool.counts.tobytes(),
+        index.registration(0),
+        index.registration(1),
+    ) == before
+    m.check()
+    # Without the last step the same span goes through in one pass.
+    assert index.allocate_decode_steps(pool, np.zeros(2, dtype=np.int64), rows[:2]) is not None
+    assert index.registration(0)[0] == 2
+    m.check()
+
+
+def test_step_registrations_start_skips_entries_of_the_first_step_only():
+    """``_StepRegistrations.add_steps``' ``start`` (where ``commit_many`` resumes after a
+    plain commit) skips entries of step 0 only: each later step is read from its first."""
+    tokens = [list(range(2 * BS)) for _ in range(3)]
+    tables = [[10 + 2 * seq_id, 11 + 2 * seq_id] for seq_id in range(3)]
+    states = {seq_id: _SeqHashState(1, object(), seq_id) for seq_id in range(3)}  # any chain
+    steps = _StepRegistrations(BS)
+    commits = [
+        [(seq_id, tokens[seq_id], 2 * BS, tables[seq_id], None) for seq_id in (0, 1)],
+        [(2, tokens[2], 2 * BS, tables[2], None)],
+    ]
+    assert steps.add_steps(commits, states, 1) is None
+    assert list(steps.rows) == [1, 2]
+    # Per entry: step, slot, block position and id, then the block's ids.
+    assert steps.entries == [0, 1, 1, 13, *range(BS, 2 * BS), 1, 2, 1, 15, *range(BS, 2 * BS)]
 
 
 def test_a_radix_index_commits_one_entry_at_a_time():

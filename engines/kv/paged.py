@@ -1005,7 +1005,8 @@ class PagedDecodeRun:
             # Every step's entries checked before anything else changes: a bad one raises
             # as commit_many does, the slots given back. (They hold the live block tables,
             # which the spans extend before the index reads them.)
-            rows_per_step = [kv._commit_rows(entries) for entries in commits]
+            # (Most steps of a long run commit nothing: no call for them.)
+            rows_per_step = [kv._commit_rows(entries) if entries else [] for entries in commits]
         except BaseException:
             for seq in seqs:
                 seq.num_tokens -= num_steps

@@ -304,46 +304,53 @@ class _StepRegistrations:
         self.num_entries: list[int] = []
         self.entries: list[int] = []
 
-    def add_step(
-        self, step: int, entries: Sequence[CommitEntry], seqs: dict[int, _SeqHashState], start: int = 0
-    ) -> int:
-        """Add ``entries[start:]``, step ``step``'s commits (``seqs``: the index's states),
-        up to the first that is no decode commit: one completing exactly the next block of
-        a known sequence (counting its entries added before) that has a key chain, from
-        a block in its table, with that block's ids among its own (an entry counts its
-        ids: see ``CommitEntry``). Such a sequence's entry completing no new block is skipped;
-        an unknown sequence, or one without a key chain, stops it. Returns the position of
-        the entry it stopped at, or ``len(entries)``. Mutates itself only."""
+    def add_steps(
+        self, commits: Sequence[Sequence[CommitEntry]], seqs: dict[int, _SeqHashState], start: int = 0
+    ) -> tuple[int, int] | None:
+        """Add each step's commits in order (step ``t``'s are ``commits[t]``, from position
+        ``start`` in step 0's; ``seqs``: the index's states), up to the first entry that is
+        no decode commit: one completing exactly the next block of a known sequence
+        (counting its entries added before) that has a key chain, from a block in its
+        table, with that block's ids among its own (an entry counts its ids: see
+        ``CommitEntry``). Such a sequence's entry completing no new block is skipped; an
+        unknown sequence, or one without a key chain, stops it. Returns the (step,
+        position) of the entry it stopped at, or None when every entry was added or
+        skipped. Mutates itself only.
+
+        One call for a decode run's span of steps, not one per step: about half the steps
+        of a long run commit nothing, and a call per step cost more than their entries."""
         bs = self.block_size
         rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
-        for at in range(start, len(entries)):
-            seq_id, token_ids, num_tokens, block_ids, _ = entries[at]
-            row = rows.get(seq_id)
-            if row is None:
-                state = seqs.get(seq_id)
-                if state is None or state.chain is None:
-                    return at
-                first = state.num_blocks
-            else:
-                state = states[row]
-                first = state.num_blocks + num_entries[row]
-            num_full = num_tokens // bs
-            if num_full <= first:
-                continue  # no new full block
-            if num_full != first + 1 or first >= len(block_ids):
-                return at
-            ids = id_list(token_ids, first * bs, num_full * bs)
-            if len(ids) != bs:
-                return at  # a count past the ids: the plain commit raises
-            if row is None:
-                row = rows[seq_id] = len(states)
-                states.append(state)
-                num_entries.append(1)
-            else:
-                num_entries[row] += 1
-            flat += (step, state.slot, first, block_ids[first])
-            flat += ids
-        return len(entries)
+        for step, entries in enumerate(commits):
+            for at in range(start, len(entries)):
+                seq_id, token_ids, num_tokens, block_ids, _ = entries[at]
+                row = rows.get(seq_id)
+                if row is None:
+                    state = seqs.get(seq_id)
+                    if state is None or state.chain is None:
+                        return step, at
+                    first = state.num_blocks
+                else:
+                    state = states[row]
+                    first = state.num_blocks + num_entries[row]
+                num_full = num_tokens // bs
+                if num_full <= first:
+                    continue  # no new full block
+                if num_full != first + 1 or first >= len(block_ids):
+                    return step, at
+                ids = id_list(token_ids, first * bs, num_full * bs)
+                if len(ids) != bs:
+                    return step, at  # a count past the ids: the plain commit raises
+                if row is None:
+                    row = rows[seq_id] = len(states)
+                    states.append(state)
+                    num_entries.append(1)
+                else:
+                    num_entries[row] += 1
+                flat += (step, state.slot, first, block_ids[first])
+                flat += ids
+            start = 0
+        return None
 
 
 def _int64_array(values: list[int]) -> np.ndarray:
@@ -587,7 +594,7 @@ class BlockHashPrefixIndex:
         return ()
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
-        """See ``PrefixIndex.commit_many``. Decode commits (``_StepRegistrations.add_step``)
+        """See ``PrefixIndex.commit_many``. Decode commits (``_StepRegistrations.add_steps``)
         join a batch keyed and registered in one compiled call (``_register_in_steps``
         with no blocks to take); any other entry is a plain ``commit``, after the batch so
         far (registration order decides which of two equal keys wins)."""
@@ -595,9 +602,10 @@ class BlockHashPrefixIndex:
         batch = _StepRegistrations(bs)
         at = 0
         while True:
-            at = batch.add_step(0, entries, self._seqs, at)
-            if at == len(entries):
+            stop = batch.add_steps((entries,), self._seqs, at)
+            if stop is None:
                 break
+            _, at = stop  # step 0: the only one
             if batch.rows:
                 self._register_in_steps(_NO_NEEDS, batch, _NO_TAKING)
                 batch = _StepRegistrations(bs)
@@ -625,11 +633,11 @@ class BlockHashPrefixIndex:
                 f"BlockHashPrefixIndex.allocate_decode_steps: {num_blocks} blocks, {pool.num_free} free"
             )
         steps = _StepRegistrations(self._block_size)
-        for step, entries in enumerate(commits):
-            at = steps.add_step(step, entries, self._seqs)
-            if at < len(entries):
-                self._seq(entries[at][0])  # only to raise, naming an unknown seq
-                return None
+        stop = steps.add_steps(commits, self._seqs)
+        if stop is not None:
+            step, at = stop
+            self._seq(commits[step][at][0])  # only to raise, naming an unknown seq
+            return None
         return self._register_in_steps(needs, steps, native.step_buffers(num_blocks, len(needs)))
 
     def _register_in_steps(
