@@ -318,7 +318,7 @@ class _StepRegistrations:
         skipped. Mutates itself only.
 
         One call for a decode run's span of steps, not one per step: about half the steps
-        of a long run commit nothing, and a call per step cost more than their entries."""
+        of a long run commit nothing."""
         bs = self.block_size
         rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
         for step, entries in enumerate(commits):
