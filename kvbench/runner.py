@@ -66,8 +66,9 @@ class Clock(Protocol):
         """Called right before each engine step; returns the step's start time."""
         ...
 
-    def step_done(self, output: StepOutput) -> float:
-        """Called after each engine step; returns the step's end time."""
+    def step_done(self, output: StepOutput) -> list[float]:
+        """Called after each engine step; returns the end time of each step the output
+        covers, in order (one for a single-step output; the last is the output's end)."""
         ...
 
     def device_time_s(self) -> float:
@@ -125,12 +126,12 @@ class WallClock:
         if delay > 0:
             time.sleep(delay)
 
-    def step_done(self, output: StepOutput) -> float:
+    def step_done(self, output: StepOutput) -> list[float]:
         if output.covered_steps is not None:
             raise RuntimeError("wall clock: a multi-step output (covered_steps) needs the simulation clock")
         if self._events is not None:
             self._events[1].record()
-        return self.now()
+        return [self.now()]
 
 
 class SimClock:
@@ -156,11 +157,17 @@ class SimClock:
             "simulation clock: the engine reported wall-clock event times (a live engine needs run.mode=real)"
         )
 
-    def step_done(self, output: StepOutput) -> float:
-        if output.covered_steps is not None:
+    def step_done(self, output: StepOutput) -> list[float]:
+        covered = output.covered_steps
+        if covered is not None:
             # Step by step, as single-step outputs would advance it (same float sums).
-            self._t = covered_step_ends(self._t, output)[-1]
-            return self._t
+            ends = []
+            t = self._t
+            for duration_s in covered.durations_s:
+                t += duration_s
+                ends.append(t)
+            self._t = t
+            return ends
         duration_s = output.modeled_duration_s
         if duration_s is None:
             raise RuntimeError(
@@ -171,21 +178,7 @@ class SimClock:
                 f"simulation clock: modeled_duration_s must be finite and >= 0, got {duration_s}"
             )
         self._t += duration_s
-        return self._t
-
-
-def covered_step_ends(start_s: float, output: StepOutput) -> list[float]:
-    """End time of each covered step of a multi-step output that starts at ``start_s``.
-
-    Sums durations one at a time so the times equal, bit for bit, those of the same
-    steps returned one per call. Pure.
-    """
-    ends = []
-    t = start_s
-    for duration_s in output.covered_steps.durations_s if output.covered_steps is not None else ():
-        t += duration_s
-        ends.append(t)
-    return ends
+        return [self._t]
 
 
 @dataclass
@@ -395,10 +388,10 @@ def replay(
                 announce(now, pending[0].arrival_s if pending and not blocked else math.inf)
             start_s = clock.step_begin()
             output = engine.step()
-            end_s = clock.step_done(output)
+            ends = clock.step_done(output)
+            end_s = ends[-1]
             covered = output.covered_steps
             if covered is not None:
-                ends = covered_step_ends(start_s, output)
                 starts = [start_s, *ends[:-1]]
                 timing = (
                     range(num_steps, num_steps + len(ends)),
@@ -414,7 +407,6 @@ def replay(
                 covered_tokens.add(covered, ends)
                 num_tokens += len(ends) * len(covered.request_ids)
             else:
-                ends = [end_s]
                 steps.add((num_steps, start_s, end_s, end_s - start_s, clock.device_time_s()), output.stats)
                 num_steps += 1
             # Engines observing events off the step loop time them themselves.
