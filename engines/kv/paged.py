@@ -474,8 +474,13 @@ class PagedKVManager(SeqTable):
         (the live int64 array, not a copy) and extra key. Raises as ``_committing`` on the
         first bad entry (the index checks a count past the ids). Pure."""
         rows = []
+        seqs = self._seqs
         for seq_id, token_ids, num_tokens in entries:
-            seq = self._committing(seq_id, num_tokens)
+            # _committing's test written out (a call per committing sequence per step); it
+            # runs only to raise.
+            seq = seqs.get(seq_id)
+            if seq is None or seq.host_blocks is not None or not 0 <= num_tokens <= seq.num_tokens:
+                seq = self._committing(seq_id, num_tokens)
             rows.append((seq_id, token_ids, num_tokens, seq.block_ids, seq.extra_key))
         return rows
 

@@ -190,8 +190,14 @@ def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
     tokens = token_ids
     if type(tokens) is not ArrayTokenIds:  # a sequence's own ids (every commit entry's) skip the call
         tokens, start, stop = _unwrapped(token_ids, start, stop)
-    if type(tokens) is ArrayTokenIds and start >= tokens._num_array:  # exact: see _unwrapped
-        return tokens.tail[start - tokens._num_array : stop - tokens._num_array]
+    if type(tokens) is ArrayTokenIds:  # exact: see _unwrapped
+        num_array = tokens._num_array
+        if start >= num_array:
+            return tokens.tail[start - num_array : stop - num_array]
+        if stop > num_array:
+            # The block across the prompt's end: a decode run's first registration of a
+            # sequence whose prompt ends mid-block (the slice's own range checks skipped).
+            return tokens.array[start:num_array].tolist() + tokens.tail[: stop - num_array]
     return tokens[start:stop]
 
 
