@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, _SeqHashState, _StepRegistrations
 from kvbench.engines.kv.radix_cache import RadixPrefixIndex
-from kvbench.engines.kv.token_ids import KeyedTokenIds, TokenPrefix
+from kvbench.engines.kv.token_ids import ArrayTokenIds, KeyedTokenIds, TokenPrefix
 
 BS = 4
 
@@ -125,6 +125,8 @@ def test_commit_many_checks_every_entry_before_committing_any():
         m.commit_many([(0, good, 8), (1, KeyedTokenIds([6] * 9), 9)])
     with pytest.raises(ValueError, match="seq 1 commits -1 tokens"):
         m.commit_many([(0, good, 8), (1, bad, -1)])
+    with pytest.raises(KeyError, match="unknown seq 9"):
+        m.commit_many([(0, good, 8), (9, bad, 8)])
     assert m.prefix_index.num_cached_blocks == 0  # seq 0's blocks were not registered either
     m.commit_many([(0, good, 8), (1, bad, 8)])
     assert m.prefix_index.num_cached_blocks == 4
@@ -298,6 +300,25 @@ def test_decode_steps_in_one_pass_equal_stepping_with_commits(
     whose prompt was never committed (``uncommitted``) completes several blocks in its
     first decode commit, which the index declines to batch."""
     _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncommitted)
+
+
+def test_a_decode_block_across_an_array_prompts_end_is_keyed_from_its_own_ids():
+    """A trace prompt (``ArrayTokenIds``) of 6 ids ends inside block 1, which a decode run
+    completes: its ids are the prompt array's last 2 and the first 2 appended. Registered
+    in the run's compiled pass (``id_list``'s slice across the array's end), it is keyed
+    as the same ids in a list key it: the list matches both blocks."""
+    m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex())
+    ids = ArrayTokenIds(np.array([3, 4, 4, 3, 4, 3], dtype=np.int64))
+    m.allocate(0, ids, 6, None)
+    m.commit(0, ids)  # block 0
+    ids.append(4)  # decode state: the newest token lacks KV
+    run = m.decode_run([0])
+    assert run.num_quiet_steps(None, 2) == 2
+    ids.extend([3, 3])  # the run's tokens; step 1 writes token 7's KV, completing block 1
+    run.advance_many(2, [[], [(0, ids, 8)]])
+    assert m.prefix_index.registration(0)[0] == 2
+    assert m.prefix_index.match([3, 4, 4, 3, 4, 3, 4, 3, 9], None).num_blocks == 2
+    m.check()
 
 
 def test_a_declined_span_is_stepped_with_the_same_outcome(monkeypatch):

@@ -383,7 +383,8 @@ def test_array_token_ids_read_like_the_list(prompt, appended, probes, cuts):
         for stop in range(start, n + 1):
             expected = reference[start:stop]
             for tokens in forms:
-                assert id_list(tokens, start, stop) == expected
+                got = id_list(tokens, start, stop)
+                assert got == expected and all(type(t) is int for t in got)
                 assert id_list(TokenPrefix(tokens, stop), start, stop) == expected
                 assert id_list(TokenSpan(tokens, start, n), 0, stop - start) == expected
                 assert id_list(_SubSpan(tokens, start, n), 0, stop - start) == expected
