@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -445,9 +445,8 @@ class PagedKVManager(SeqTable):
         prefix index; where the index already holds a full block with the same KV, the
         sequence reads that one and drops its own copy (``PrefixIndex.commit``). Mutates:
         the index, the block table and references. ValueError when more tokens than slots."""
-        seq = self._committing(seq_id, len(token_ids))
-        table = seq.block_ids
-        for index, block in self.prefix_index.commit(seq_id, token_ids, table, seq.extra_key):
+        ((_, _, _, table, extra_key),) = self._commit_rows(((seq_id, token_ids, len(token_ids)),))
+        for index, block in self.prefix_index.commit(seq_id, token_ids, table, extra_key):
             # A full block: every slot claimed, so the switch keeps the claimed-slot counts.
             own = table[index]
             table[index] = block
@@ -471,31 +470,26 @@ class PagedKVManager(SeqTable):
 
     def _commit_rows(self, entries: Sequence[StepCommit]) -> list[CommitEntry]:
         """The prefix index's commit entries for ``entries``: each with its block table
-        (the live int64 array, not a copy) and extra key. Raises as ``_committing`` on the
-        first bad entry (the index checks a count past the ids). Pure."""
+        (the live int64 array, not a copy) and extra key. The one home of the commit rule:
+        a resident sequence commits between 0 and its slots' count of tokens. Raises on
+        the first entry breaking it (``_refuse_commit``; the index checks a count past the
+        ids). Pure."""
         rows = []
         seqs = self._seqs
         for seq_id, token_ids, num_tokens in entries:
-            # _committing's test written out (a call per committing sequence per step); it
-            # runs only to raise.
             seq = seqs.get(seq_id)
             if seq is None or seq.host_blocks is not None or not 0 <= num_tokens <= seq.num_tokens:
-                seq = self._committing(seq_id, num_tokens)
+                self._refuse_commit(seq_id, num_tokens)
             rows.append((seq_id, token_ids, num_tokens, seq.block_ids, seq.extra_key))
         return rows
 
-    def _committing(self, seq_id: int, num_tokens: int) -> _Seq:
-        """The resident sequence ``seq_id`` may commit its first ``num_tokens`` tokens;
-        raises naming it otherwise: KeyError when unknown, ValueError when swapped out,
-        for a negative count or with fewer slots than tokens. Pure."""
-        seq = self._seqs.get(seq_id)
-        if seq is None or seq.host_blocks is not None:
-            seq = self._resident(seq_id, "commit")  # raises naming the seq
-        if not 0 <= num_tokens <= seq.num_tokens:
-            raise ValueError(
-                f"commit: seq {seq_id} commits {num_tokens} tokens but has {seq.num_tokens} slots"
-            )
-        return seq
+    def _refuse_commit(self, seq_id: int, num_tokens: int) -> NoReturn:
+        """Raise naming why ``seq_id`` may not commit ``num_tokens`` tokens (called only for
+        an entry ``_commit_rows`` refused, so a resident one's count is wrong): KeyError
+        when unknown, ValueError when swapped out, for a negative count or with fewer
+        slots than tokens."""
+        seq = self._resident(seq_id, "commit")  # raises for an unknown or swapped-out seq
+        raise ValueError(f"commit: seq {seq_id} commits {num_tokens} tokens but has {seq.num_tokens} slots")
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (ref count +1 each).
