@@ -482,6 +482,69 @@ def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
     m.check()
 
 
+def _plain_revalidation(index, pool, memo, valid, since, hashes, checks, stop, taken):
+    """``native.revalidate_run`` step by step in Python: cut, walk, count."""
+    state = pool.state
+    if since >= 0:
+        valid = next((i for i in range(valid) if index._dropped_at[memo[i]] > since), valid)
+    if valid < len(memo):
+        taken = -1
+    run = []
+    for j in range(valid, stop):
+        b = native.lookup(index._keys, index._vals, hashes[j])
+        live = b != native.EMPTY and state[native.CACHED, b]
+        if not live or index._block_hash[b] != hashes[j] or index._block_check[b] != checks[j]:
+            break
+        run.append(int(b))
+    if taken < 0:
+        taken = sum(1 for b in memo[:valid] if state[native.REF, b] == 0)
+    return valid, run, taken + sum(1 for b in run if state[native.REF, b] == 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 2), _stream, st.integers(0, 7)), max_size=30),
+    data=st.data(),
+)
+def test_revalidate_run_equals_the_plain_cut_walk_and_count(ops, data):
+    """The match memo's one compiled revalidation (cut at the first block dropped since,
+    walk the keys past it, count the unreferenced blocks) against the same three steps
+    in Python, on the states a manager goes through (registrations, frees, reuses) and
+    memos of every length, drop count and known or unknown count."""
+    m = PagedKVManager(6, BS, 1, BlockHashPrefixIndex())
+    index, pool = m.prefix_index, m.pool
+    probes: list[KeyedTokenIds] = []
+    live: list[int] = []
+    for seq_id, (kind, tokens, which) in enumerate(ops):
+        keyed = KeyedTokenIds(tokens)
+        if kind == 0 and m.can_allocate(seq_id, keyed, len(tokens), None):
+            m.allocate(seq_id, keyed, len(tokens) - m.num_cached_tokens(keyed, None), None)
+            m.commit(seq_id, keyed)
+            live.append(seq_id)
+        elif kind == 1 and live:
+            m.free(live.pop(which % len(live)))
+        probes.append(keyed)
+        for probe in probes:
+            chain = index.match(probe, None).handle
+            if chain is None:
+                continue  # no full block: nothing keyed
+            memo = data.draw(st.sampled_from([chain.match_array, np.arange(chain.match_array.size)[::-1]]))
+            memo = np.ascontiguousarray(memo, dtype=np.int64)
+            valid = data.draw(st.integers(0, len(memo)))
+            since = data.draw(st.integers(-1, index._num_drops))
+            taken = data.draw(st.integers(-1, 3))
+            stop = data.draw(st.integers(valid, max(valid, chain.num_blocks)))
+            hashes, checks = chain.hashes, chain.checks
+            args = (memo, valid, since, hashes, checks, stop, taken)
+            got_valid, got_run, got_taken = native.revalidate_run(
+                index._dropped_at, memo, valid, since, index._keys, index._vals, pool.state,
+                index._block_hash, index._block_check, hashes, checks, stop, taken,
+            )  # fmt: skip
+            want_valid, want_run, want_taken = _plain_revalidation(index, pool, *args)
+            assert (got_valid, got_run.tolist(), got_taken) == (want_valid, want_run, want_taken)
+    m.check()
+
+
 def test_memoised_answer_follows_a_decode_registration_and_a_silent_reuse():
     """The memo's answer is returned as is only while nothing it read changed: a decode
     commit registering the block a waiting probe needs next (``commit_many``'s compiled
@@ -510,6 +573,42 @@ def test_memoised_answer_follows_a_decode_registration_and_a_silent_reuse():
     # and dropped, with no registration and no reference change.
     memo, fresh = index.match(probe, None), index.match(tuple(probe), None)
     assert (memo.num_tokens, memo.block_ids) == (fresh.num_tokens, fresh.block_ids) == (4, (0,))
+    m.check()
+
+
+def test_a_revalidated_match_that_changed_nothing_is_the_same_answer():
+    """A revalidation (something changed since the memo: a registration, a reference) that
+    finds the same blocks and the same count of blocks to take returns the last answer
+    itself; one whose count changed returns a new answer on the same blocks. An empty
+    match of a carried chain is kept the same way."""
+    m = PagedKVManager(8, BS, 1, BlockHashPrefixIndex())
+    index = m.prefix_index
+    writer = KeyedTokenIds([3] * 9)
+    m.allocate(0, writer, 9, None)
+    m.commit(0, writer)  # blocks 0 and 1 registered; block 2 holds one slot
+    probe = KeyedTokenIds([3] * 8 + [9])
+    first = index.match(probe, None)
+    assert (first.num_tokens, first.block_ids, first.num_blocks_taken) == (8, (0, 1), 0)
+    m.append(0, 3)
+    writer.extend([6, 6, 6])
+    m.commit_many([(0, writer, 12)])  # a registration elsewhere: the memo revalidates
+    assert index.match(probe, None) is first
+    m.append(0, 1)  # a fresh block: the pool's references changed
+    assert index.match(probe, None) is first
+    m.free(0)  # the probe's blocks go cached-free: attaching them takes two
+    second = index.match(probe, None)
+    assert second is not first and second.blocks is first.blocks
+    assert (second.num_tokens, second.num_blocks_taken) == (8, 2)
+    fresh = index.match(tuple(probe), None)
+    assert (fresh.num_tokens, fresh.block_ids, fresh.num_blocks_taken) == (8, (0, 1), 2)
+    lone = KeyedTokenIds([8] * 9)
+    empty = index.match(lone, None)
+    assert empty.num_tokens == 0 and empty.handle is lone.key_chain
+    m.allocate(1, KeyedTokenIds([5] * 5), 5, None)  # references changed, no registration
+    assert index.match(lone, None) is not empty  # another sequence's match came between
+    again = index.match(lone, None)
+    m.append(1, 4)
+    assert index.match(lone, None) is again and again.num_tokens == 0
     m.check()
 
 

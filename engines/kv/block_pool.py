@@ -124,14 +124,6 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_at[self._id(block_id)]
 
-    def num_unreferenced(self, block_ids: Iterable[int]) -> int:
-        """How many of ``block_ids`` have no reference (free or cached-free). Pure."""
-        ids = _ids(block_ids)
-        count, bad = native.num_unreferenced(self._st, ids)
-        if bad >= 0:
-            self._id(int(ids[bad]))
-        return int(count)
-
     def soft_count(self, block_id: int) -> int:
         return int(self._st[SOFT, self._id(block_id)])
 

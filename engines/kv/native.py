@@ -222,20 +222,6 @@ def free_many(st, counts, block_ids):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def num_unreferenced(st, block_ids):  # pragma: no cover - compiled
-    """(How many of ``block_ids`` have ref count 0, position of the first bad id or -1)."""
-    n = st.shape[1] - 1
-    count = 0
-    for i in range(block_ids.shape[0]):
-        b = block_ids[i]
-        if b < 0 or b >= n:
-            return count, i
-        if st[REF, b] == 0:
-            count += 1
-    return count, -1
-
-
-@njit(cache=True, nogil=True)
 def set_cached(st, counts, block_ids):  # pragma: no cover - compiled
     """Flag each block as holding reusable KV (a free one counts as cached-free). Returns
     the position of the first bad id, or -1."""
@@ -279,7 +265,7 @@ def _slot(keys, vals, h):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def lookup_run(keys, vals, st, block_hash, block_check, hashes, checks, start, stop):  # pragma: no cover
     """Blocks registered under keys ``start ..`` of a chain, up to the first that is not
-    (or ``stop``): int64 [k]."""
+    (or ``stop``), and how many of them have ref count 0: (int64 [k], count)."""
     out = np.empty(max(stop - start, 0), dtype=np.int64)
     k = 0
     for j in range(start, stop):
@@ -289,7 +275,7 @@ def lookup_run(keys, vals, st, block_hash, block_check, hashes, checks, start, s
             break
         out[k] = b
         k += 1
-    return out[:k]
+    return out[:k], _num_unreferenced(st, out, k)
 
 
 @njit(cache=True, nogil=True)
@@ -301,6 +287,47 @@ def first_dropped(dropped_at, block_ids, stop, since):  # pragma: no cover - com
         if dropped_at[block_ids[i]] > since:
             return i
     return stop
+
+
+@njit(cache=True, nogil=True)
+def revalidate_run(
+    dropped_at, memo, valid, since, keys, vals, st, block_hash, block_check, hashes, checks, stop, taken
+):  # pragma: no cover - compiled
+    """A match memo brought up to date in one call (a call costs microseconds; the three
+    steps, each its own call before, cost nanoseconds per block). ``memo`` int64 [m]: the
+    blocks a chain matched before; ``valid <= m``: how many of them may still stand; a
+    match with no memo is a ``lookup_run`` from the first block (fewer arguments).
+
+    1. Cut: when ``since >= 0`` (registrations were dropped since the memo, which was
+       taken at drop count ``since``), ``valid`` falls to ``first_dropped``'s position.
+    2. Walk: the blocks registered under keys ``valid ..`` of the chain (``hashes``,
+       ``checks``: keyed up to at least ``stop``), up to the first that is not or ``stop``
+       (``lookup_run``).
+    3. Count the unreferenced blocks of ``memo[:valid]`` followed by the walk's blocks:
+       ``taken`` (>= 0, the memo's own count, still right when nothing was cut) plus the
+       walk's; with ``taken < 0``, or after a cut, every block's.
+
+    Returns (valid after the cut, the walk's blocks int64 [k], the count). Pure."""
+    if since >= 0 and valid:
+        valid = first_dropped(dropped_at, memo, valid, since)
+    if valid < memo.shape[0]:
+        taken = -1
+    if taken < 0:
+        taken = _num_unreferenced(st, memo, valid)
+    run, num_run_unreferenced = lookup_run(
+        keys, vals, st, block_hash, block_check, hashes, checks, valid, stop
+    )
+    return valid, run, taken + num_run_unreferenced
+
+
+@njit(cache=True, nogil=True)
+def _num_unreferenced(st, block_ids, stop):  # pragma: no cover - compiled
+    """How many of ``block_ids[:stop]`` (valid ids) have ref count 0."""
+    count = 0
+    for i in range(stop):
+        if st[REF, block_ids[i]] == 0:
+            count += 1
+    return count
 
 
 @njit(cache=True, nogil=True)

@@ -322,6 +322,9 @@ class _StepRegistrations:
         bs = self.block_size
         rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
         for step, entries in enumerate(commits):
+            if not entries:
+                start = 0
+                continue  # (most steps of a span commit nothing)
             for at in range(start, len(entries)):
                 seq_id, token_ids, num_tokens, block_ids, _ = entries[at]
                 row = rows.get(seq_id)
@@ -353,13 +356,13 @@ class _StepRegistrations:
         return None
 
 
-def _int64_array(values: list[int]) -> np.ndarray:
-    """``values`` (integers) as a new int64 array. ``struct`` packs them in one C loop at
-    about half the instructions per value of ``np.fromiter`` (numpy's generic item setter
-    per value) or ``np.array`` (which first scans for nesting); decode registrations
-    convert ``4 + block_size`` values per block. Raises struct.error for a value that is
-    no integer or lies outside int64."""
-    out = np.empty(len(values), dtype=np.int64)
+def _int64_rows(values: list[int], width: int) -> np.ndarray:
+    """``values`` (integers, a multiple of ``width`` of them) as a new int64 array [rows,
+    width]. ``struct`` packs them in one C loop at about half the instructions per value of
+    ``np.fromiter`` (numpy's generic item setter per value) or ``np.array`` (which first
+    scans for nesting); decode registrations convert ``4 + block_size`` values per block.
+    Raises struct.error for a value that is no integer or lies outside int64."""
+    out = np.empty((len(values) // width, width), dtype=np.int64)
     struct.pack_into(f"={len(values)}q", out, 0, *values)  # native order, 8-byte standard size
     return out
 
@@ -449,10 +452,14 @@ class BlockHashPrefixIndex:
         - memoised blocks stay registered under the same keys unless one was dropped
           (registrations are only dropped when the pool reuses a block). When any block
           was dropped since the memo, the memo is cut at the first block whose latest
-          drop came after it (``native.first_dropped``: O(memo) compiled).
+          drop came after it (O(memo) compiled).
         - the count of unreferenced matched blocks stays valid while the pool's
           ``ref_version`` is unchanged and no matched block was dropped.
         - only the walk past the memo reads the hash table (compiled): O(new blocks).
+
+        The three are one compiled call (``native.revalidate_run``), made only when one
+        of them has work; a chain that matched nothing walks from its first block
+        (``native.lookup_run``).
         """
         pool = self._bound_pool()
         bs = self._block_size
@@ -471,19 +478,36 @@ class BlockHashPrefixIndex:
             return self._answer
         # The matched blocks, int64 [matched]: never converted to Python ints here (a
         # long conversation's match holds thousands).
-        array = NO_BLOCK_IDS
-        num_taken: int | None = 0
-        if chain.match_owner is self:
-            array = chain.match_array
-            num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else None
+        array = chain.match_array if chain.match_owner is self else NO_BLOCK_IDS
+        if len(array):
+            num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else -1
+            since = chain.match_num_drops if self._num_drops != chain.match_num_drops else -1
             valid = min(len(array), num_full)
-            if valid and self._num_drops != chain.match_num_drops:
-                valid = native.first_dropped(self._dropped_at, array, valid, chain.match_num_drops)
-            if valid < len(array):
-                array, num_taken = array[:valid], None
-        if len(array) < num_full:
-            chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
-            run = native.lookup_run(
+            if valid < num_full or valid < len(array) or num_taken < 0 or since >= 0:
+                # A chain holds keys for every block it matched: only a walk past them keys more.
+                chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
+                valid, run, num_taken = native.revalidate_run(
+                    self._dropped_at,
+                    array,
+                    valid,
+                    since,
+                    self._keys,
+                    self._vals,
+                    pool.state,
+                    self._block_hash,
+                    self._block_check,
+                    chain.hashes,
+                    chain.checks,
+                    num_full,
+                    num_taken,
+                )
+                if valid < len(array):
+                    array = array[:valid]
+                if len(run):
+                    array = np.concatenate([array, run]) if len(array) else run
+        elif num_full:  # nothing matched before (or no memo): a walk from the first block
+            chain.extend(token_ids, num_full)
+            array, num_taken = native.lookup_run(
                 self._keys,
                 self._vals,
                 pool.state,
@@ -491,28 +515,28 @@ class BlockHashPrefixIndex:
                 self._block_check,
                 chain.hashes,
                 chain.checks,
-                len(array),
+                0,
                 num_full,
             )
-            if len(run):
-                if num_taken is not None:
-                    num_taken += pool.num_unreferenced(run)
-                array = np.concatenate([array, run]) if len(array) else run
-        if num_taken is None:
-            num_taken = pool.num_unreferenced(array)  # cached-free blocks revived from the free list
+        else:
+            num_taken = 0
         chain.match_owner, chain.match_array = self, array
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
         chain.match_num_drops = self._num_drops
         chain.match_version = self._version
         chain.match_num_full = num_full
+        answer = self._answer
         if not len(array):
             if not isinstance(token_ids, KeyCarrier):
                 return NO_MATCH
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
-            self._answer = PrefixMatch(0, (), 0, handle=chain)
-        else:
+            if answer.handle is not chain or answer.num_tokens:
+                self._answer = PrefixMatch(0, (), 0, handle=chain)
+        elif answer.handle is not chain or answer.blocks is not array or answer.num_blocks_taken != num_taken:
             self._answer = PrefixMatch(len(array) * bs, array, num_taken, chain)
+        # (Else the last answer, for this chain, says the same: a revalidation that found
+        # nothing changed, as a waiting head's checks mostly do, builds no new one.)
         return self._answer
 
     def match_may_grow(self, token_ids: Sequence[int], extra_key: str | None, seq_ids: Sequence[int]) -> bool:
@@ -669,7 +693,7 @@ class BlockHashPrefixIndex:
             self._block_hash,
             self._block_check,
             block_multipliers(self._block_size),
-            _int64_array(steps.entries).reshape(-1, 4 + self._block_size),  # [entries, 4 + bs]
+            _int64_rows(steps.entries, 4 + self._block_size),  # [entries, 4 + bs]
             self._last_keys,  # each entry's slot chains from it, then holds the entry's key
         )
         self._num_registered += registered
