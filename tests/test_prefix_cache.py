@@ -482,6 +482,41 @@ def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
     m.check()
 
 
+def test_a_grown_match_with_the_same_count_is_a_new_answer():
+    """A revalidation whose walk found more blocks answers them, although the count of
+    blocks to take stayed the same (the last answer's blocks are another array)."""
+    m = PagedKVManager(8, BS, 1, BlockHashPrefixIndex())
+    index = m.prefix_index
+    writer = KeyedTokenIds([3] * 5)
+    m.allocate(0, writer, 5, None)
+    m.commit(0, writer)  # block 0 registered
+    probe = KeyedTokenIds([3] * 9)
+    first = index.match(probe, None)
+    assert (first.num_tokens, first.block_ids, first.num_blocks_taken) == (4, (0,), 0)
+    m.append(0, 4)
+    writer.extend([3] * 4)
+    m.commit_many([(0, writer, 9)])  # block 1 registered under the probe's second key
+    second = index.match(probe, None)
+    assert (second.num_tokens, second.block_ids, second.num_blocks_taken) == (8, (0, 1), 0)
+
+
+def test_a_match_cut_to_nothing_is_a_new_empty_answer():
+    """Every matched block reused by the pool (no match call in between): the answer is
+    empty, not the last one."""
+    m = PagedKVManager(2, BS, 1, BlockHashPrefixIndex())
+    index = m.prefix_index
+    writer = KeyedTokenIds([3] * 5)
+    m.allocate(0, writer, 5, None)
+    m.commit(0, writer)
+    m.free(0)  # block 0 cached-free
+    probe = KeyedTokenIds([3] * 5)
+    first = index.match(probe, None)
+    assert (first.num_tokens, first.block_ids, first.num_blocks_taken) == (4, (0,), 1)
+    m.pool.allocate_many(2)  # every block reused: block 0's registration dropped
+    second = index.match(probe, None)
+    assert (second.num_tokens, second.block_ids, second.num_blocks_taken) == (0, (), 0)
+
+
 def _plain_revalidation(index, pool, memo, valid, since, hashes, checks, stop, taken):
     """``native.revalidate_run`` step by step in Python: cut, walk, count."""
     state = pool.state
@@ -514,20 +549,28 @@ def test_revalidate_run_equals_the_plain_cut_walk_and_count(ops, data):
     m = PagedKVManager(6, BS, 1, BlockHashPrefixIndex())
     index, pool = m.prefix_index, m.pool
     probes: list[KeyedTokenIds] = []
-    live: list[int] = []
+    live: dict[int, KeyedTokenIds] = {}  # seq id -> its ids
     for seq_id, (kind, tokens, which) in enumerate(ops):
         keyed = KeyedTokenIds(tokens)
         if kind == 0 and m.can_allocate(seq_id, keyed, len(tokens), None):
             m.allocate(seq_id, keyed, len(tokens) - m.num_cached_tokens(keyed, None), None)
             m.commit(seq_id, keyed)
-            live.append(seq_id)
+            live[seq_id] = KeyedTokenIds(tokens)
         elif kind == 1 and live:
-            m.free(live.pop(which % len(live)))
+            ended = list(live)[which % len(live)]
+            m.free(ended)
+            del live[ended]
+        elif kind == 2 and live:  # decode steps of one sequence, each committed (registrations)
+            chosen = list(live)[which % len(live)]
+            for token in tokens[:6]:
+                if not m.can_append(chosen, 1):
+                    break
+                m.append(chosen, 1)
+                live[chosen].append(token)
+                m.commit_many([(chosen, live[chosen], len(live[chosen]))])
         probes.append(keyed)
         for probe in probes:
-            chain = index.match(probe, None).handle
-            if chain is None:
-                continue  # no full block: nothing keyed
+            chain = index.match(probe, None).handle  # a carried chain, also for no match
             memo = data.draw(st.sampled_from([chain.match_array, np.arange(chain.match_array.size)[::-1]]))
             memo = np.ascontiguousarray(memo, dtype=np.int64)
             valid = data.draw(st.integers(0, len(memo)))

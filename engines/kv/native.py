@@ -293,10 +293,11 @@ def first_dropped(dropped_at, block_ids, stop, since):  # pragma: no cover - com
 def revalidate_run(
     dropped_at, memo, valid, since, keys, vals, st, block_hash, block_check, hashes, checks, stop, taken
 ):  # pragma: no cover - compiled
-    """A match memo brought up to date in one call (a call costs microseconds; the three
-    steps, each its own call before, cost nanoseconds per block). ``memo`` int64 [m]: the
-    blocks a chain matched before; ``valid <= m``: how many of them may still stand; a
-    match with no memo is a ``lookup_run`` from the first block (fewer arguments).
+    """A match memo brought up to date: its three steps in one call instead of three (a
+    call costs microseconds, the steps nanoseconds per block). ``memo`` int64 [m]: the
+    blocks (valid ids: nothing is bounds checked) a chain matched before; ``valid <= m``:
+    how many of them may still stand. (A chain with no memo walks with ``lookup_run``
+    from its first block: fewer arguments.)
 
     1. Cut: when ``since >= 0`` (registrations were dropped since the memo, which was
        taken at drop count ``since``), ``valid`` falls to ``first_dropped``'s position.

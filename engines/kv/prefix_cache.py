@@ -324,7 +324,7 @@ class _StepRegistrations:
         for step, entries in enumerate(commits):
             if not entries:
                 start = 0
-                continue  # (most steps of a span commit nothing)
+                continue  # a step that commits nothing: about half of a long run's
             for at in range(start, len(entries)):
                 seq_id, token_ids, num_tokens, block_ids, _ = entries[at]
                 row = rows.get(seq_id)
@@ -531,6 +531,8 @@ class BlockHashPrefixIndex:
             if not isinstance(token_ids, KeyCarrier):
                 return NO_MATCH
             # A carried chain goes to acquire, so commit continues it instead of rehashing.
+            # (The last answer kept may hold an empty array, as the memo's early return
+            # builds it: an equal answer.)
             if answer.handle is not chain or answer.num_tokens:
                 self._answer = PrefixMatch(0, (), 0, handle=chain)
         elif answer.handle is not chain or answer.blocks is not array or answer.num_blocks_taken != num_taken:
