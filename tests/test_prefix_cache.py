@@ -429,6 +429,37 @@ def test_hash_index_compares_the_second_lane_on_a_hash_hit():
 _stream = st.lists(st.integers(3, 4), min_size=1, max_size=24)
 
 
+def _manager_op(
+    m: PagedKVManager, seq_id: int, op: tuple[int, list[int], int], live: dict[int, KeyedTokenIds]
+) -> KeyedTokenIds | None:
+    """One operation ``(kind, tokens, which)`` of the memo property tests on ``m``: kind 0
+    starts sequence ``seq_id`` on ``tokens`` when it fits (allocate and commit; ``live``
+    gains its ids), 1 ends a live sequence, 2 decodes up to 6 of ``tokens`` into one,
+    committing after each (decode registrations); ``which`` picks the live sequence.
+    Returns kind 0's ids (also when they did not fit), else None."""
+    kind, tokens, which = op
+    if kind == 0:
+        keyed = KeyedTokenIds(tokens)
+        if m.can_allocate(seq_id, keyed, len(tokens), None):
+            m.allocate(seq_id, keyed, len(tokens) - m.num_cached_tokens(keyed, None), None)
+            m.commit(seq_id, keyed)
+            live[seq_id] = keyed
+        return keyed
+    if live:
+        chosen = list(live)[which % len(live)]
+        if kind == 1:
+            m.free(chosen)
+            del live[chosen]
+        else:
+            for token in tokens[:6]:
+                if not m.can_append(chosen, 1):
+                    break
+                m.append(chosen, 1)
+                live[chosen].append(token)
+                m.commit_many([(chosen, live[chosen], len(live[chosen]))])
+    return None
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     ops=st.lists(st.tuples(st.integers(0, 2), _stream, st.integers(0, 7)), max_size=40),
@@ -443,26 +474,10 @@ def test_memoised_match_equals_a_fresh_walk(ops, num_blocks):
     index = m.prefix_index
     probes: list[KeyedTokenIds] = []
     live: dict[int, KeyedTokenIds] = {}
-    for seq_id, (kind, tokens, which) in enumerate(ops):
-        if kind == 0:  # a new sequence (also a probe)
-            keyed = KeyedTokenIds(tokens)
-            probes.append(keyed)
-            if m.can_allocate(seq_id, keyed, len(tokens), None):
-                m.allocate(seq_id, keyed, len(tokens) - m.num_cached_tokens(keyed, None), None)
-                m.commit(seq_id, keyed)
-                live[seq_id] = keyed
-        elif kind == 1 and live:  # a sequence ends
-            ended = list(live)[which % len(live)]
-            m.free(ended)
-            del live[ended]
-        elif kind == 2 and live:  # decode steps: one token each, committed together
-            chosen = list(live)[which % len(live)]
-            for token in tokens[:6]:
-                if not m.can_append(chosen, 1):
-                    break
-                m.append(chosen, 1)
-                live[chosen].append(token)
-                m.commit_many([(chosen, live[chosen], len(live[chosen]))])
+    for seq_id, op in enumerate(ops):
+        started = _manager_op(m, seq_id, op, live)
+        if started is not None:
+            probes.append(started)  # a new sequence is also a probe
         for probe in probes:
             # The fresh walk first (a plain tuple: a throwaway chain, which becomes the
             # index's last answer), so the probe's memo answer is built again here, then
@@ -550,25 +565,10 @@ def test_revalidate_run_equals_the_plain_cut_walk_and_count(ops, data):
     index, pool = m.prefix_index, m.pool
     probes: list[KeyedTokenIds] = []
     live: dict[int, KeyedTokenIds] = {}  # seq id -> its ids
-    for seq_id, (kind, tokens, which) in enumerate(ops):
-        keyed = KeyedTokenIds(tokens)
-        if kind == 0 and m.can_allocate(seq_id, keyed, len(tokens), None):
-            m.allocate(seq_id, keyed, len(tokens) - m.num_cached_tokens(keyed, None), None)
-            m.commit(seq_id, keyed)
-            live[seq_id] = KeyedTokenIds(tokens)
-        elif kind == 1 and live:
-            ended = list(live)[which % len(live)]
-            m.free(ended)
-            del live[ended]
-        elif kind == 2 and live:  # decode steps of one sequence, each committed (registrations)
-            chosen = list(live)[which % len(live)]
-            for token in tokens[:6]:
-                if not m.can_append(chosen, 1):
-                    break
-                m.append(chosen, 1)
-                live[chosen].append(token)
-                m.commit_many([(chosen, live[chosen], len(live[chosen]))])
-        probes.append(keyed)
+    for seq_id, op in enumerate(ops):
+        started = _manager_op(m, seq_id, op, live)
+        if started is not None:
+            probes.append(started)
         for probe in probes:
             chain = index.match(probe, None).handle  # a carried chain, also for no match
             memo = data.draw(st.sampled_from([chain.match_array, np.arange(chain.match_array.size)[::-1]]))

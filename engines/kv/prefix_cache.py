@@ -487,19 +487,7 @@ class BlockHashPrefixIndex:
                 # A chain holds keys for every block it matched: only a walk past them keys more.
                 chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
                 valid, run, num_taken = native.revalidate_run(
-                    self._dropped_at,
-                    array,
-                    valid,
-                    since,
-                    self._keys,
-                    self._vals,
-                    pool.state,
-                    self._block_hash,
-                    self._block_check,
-                    chain.hashes,
-                    chain.checks,
-                    num_full,
-                    num_taken,
+                    self._dropped_at, array, valid, since, *self._walk_args(chain), num_full, num_taken
                 )
                 if valid < len(array):
                     array = array[:valid]
@@ -507,17 +495,7 @@ class BlockHashPrefixIndex:
                     array = np.concatenate([array, run]) if len(array) else run
         elif num_full:  # nothing matched before (or no memo): a walk from the first block
             chain.extend(token_ids, num_full)
-            array, num_taken = native.lookup_run(
-                self._keys,
-                self._vals,
-                pool.state,
-                self._block_hash,
-                self._block_check,
-                chain.hashes,
-                chain.checks,
-                0,
-                num_full,
-            )
+            array, num_taken = native.lookup_run(*self._walk_args(chain), 0, num_full)
         else:
             num_taken = 0
         chain.match_owner, chain.match_array = self, array
@@ -807,6 +785,21 @@ class BlockHashPrefixIndex:
         self._num_drops += num
         self._dropped_at[block_ids] = self._num_drops
         self._version += 1
+
+    def _walk_args(self, chain: BlockKeyChain) -> tuple[np.ndarray, ...]:
+        """What a compiled walk of ``chain``'s keys through the hash table reads
+        (``native.lookup_run``'s arrays, in its order): the table, the pool's state, the
+        blocks' registered keys, the chain's keys. Pure."""
+        pool = self._bound_pool()
+        return (
+            self._keys,
+            self._vals,
+            pool.state,
+            self._block_hash,
+            self._block_check,
+            chain.hashes,
+            chain.checks,
+        )
 
     def _chain(self, token_ids: Sequence[int], extra_key: str | None) -> BlockKeyChain:
         """The key chain ``token_ids`` carries (a KeyCarrier), else a throwaway one."""
