@@ -479,25 +479,39 @@ class BlockHashPrefixIndex:
         # The matched blocks, int64 [matched]: never converted to Python ints here (a
         # long conversation's match holds thousands).
         array = chain.match_array if chain.match_owner is self else NO_BLOCK_IDS
+        num_taken = 0
         if len(array):
             num_taken = chain.match_num_taken if pool.ref_version == chain.match_ref_version else -1
             since = chain.match_num_drops if self._num_drops != chain.match_num_drops else -1
             valid = min(len(array), num_full)
-            if valid < num_full or valid < len(array) or num_taken < 0 or since >= 0:
-                # A chain holds keys for every block it matched: only a walk past them keys more.
-                chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
+            walk = valid < num_full or valid < len(array) or num_taken < 0 or since >= 0
+        else:
+            walk = num_full > 0  # nothing matched before (or no memo): from the first block
+        if walk:
+            # A chain holds keys for every block it matched: only a walk past them keys more.
+            chain.extend(token_ids, num_full)  # all at once: commit needs them anyway
+            # What a compiled walk reads (lookup_run's arrays, in its order): the hash
+            # table, the pool's state, the blocks' registered keys and the chain's keys
+            # (read after extend, which may reallocate them).
+            table = (
+                self._keys,
+                self._vals,
+                pool.state,
+                self._block_hash,
+                self._block_check,
+                chain.hashes,
+                chain.checks,
+            )
+            if len(array):
                 valid, run, num_taken = native.revalidate_run(
-                    self._dropped_at, array, valid, since, *self._walk_args(chain), num_full, num_taken
+                    self._dropped_at, array, valid, since, *table, num_full, num_taken
                 )
                 if valid < len(array):
                     array = array[:valid]
                 if len(run):
                     array = np.concatenate([array, run]) if len(array) else run
-        elif num_full:  # nothing matched before (or no memo): a walk from the first block
-            chain.extend(token_ids, num_full)
-            array, num_taken = native.lookup_run(*self._walk_args(chain), 0, num_full)
-        else:
-            num_taken = 0
+            else:
+                array, num_taken = native.lookup_run(*table, 0, num_full)
         chain.match_owner, chain.match_array = self, array
         chain.match_num_taken = num_taken
         chain.match_ref_version = pool.ref_version
@@ -785,21 +799,6 @@ class BlockHashPrefixIndex:
         self._num_drops += num
         self._dropped_at[block_ids] = self._num_drops
         self._version += 1
-
-    def _walk_args(self, chain: BlockKeyChain) -> tuple[np.ndarray, ...]:
-        """What a compiled walk of ``chain``'s keys through the hash table reads
-        (``native.lookup_run``'s arrays, in its order): the table, the pool's state, the
-        blocks' registered keys, the chain's keys. Pure."""
-        pool = self._bound_pool()
-        return (
-            self._keys,
-            self._vals,
-            pool.state,
-            self._block_hash,
-            self._block_check,
-            chain.hashes,
-            chain.checks,
-        )
 
     def _chain(self, token_ids: Sequence[int], extra_key: str | None) -> BlockKeyChain:
         """The key chain ``token_ids`` carries (a KeyCarrier), else a throwaway one."""
