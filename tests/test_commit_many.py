@@ -10,13 +10,22 @@ sequence committed twice in one step and hash-table rebuilds mid-batch.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbench.engines.kv import native
 from kvbench.engines.kv.paged import PagedKVManager
-from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, _SeqHashState, _StepRegistrations
+from kvbench.engines.kv.prefix_cache import (
+    _FIRST_ENTRY_ROWS,
+    BlockHashPrefixIndex,
+    _packed_rows,
+    _SeqHashState,
+    _StepRegistrations,
+)
 from kvbench.engines.kv.radix_cache import RadixPrefixIndex
 from kvbench.engines.kv.token_ids import ArrayTokenIds, KeyedTokenIds, TokenPrefix
 
@@ -160,6 +169,86 @@ def _decoding_index(num_seqs: int) -> tuple[PagedKVManager, list[KeyedTokenIds]]
     return m, ids
 
 
+def test_batches_past_the_packed_rows_buffer_equal_one_commit_at_a_time():
+    """The index packs a call's decode registrations into one buffer it keeps
+    (``_FIRST_ENTRY_ROWS`` rows at first): a step of more decode commits grows it, and the
+    smaller steps after it read only their own rows, not the stale ones past them. Each
+    step's commits through ``commit_many`` leave what one ``commit`` at a time leaves."""
+    num_seqs = 2 * _FIRST_ENTRY_ROWS + 3
+    managers = [PagedKVManager(4 * num_seqs, BS, 1, BlockHashPrefixIndex()) for _ in range(2)]
+    tokens: list[dict[int, KeyedTokenIds]] = [{}, {}]
+    for seq_id in range(num_seqs):
+        for m, tok in zip(managers, tokens):
+            ids = tok[seq_id] = KeyedTokenIds([3 + seq_id % 5, 3 + seq_id % 7] * (BS // 2))
+            m.allocate(seq_id, ids, BS, None)
+            m.commit(seq_id, ids)
+    probes = [list(tokens[0][seq_id]) for seq_id in range(0, num_seqs, 17)]
+    # Steps of every sequence, then of 2 and of 5 of them: a block's decode tokens each.
+    for step, seq_ids in enumerate([range(num_seqs), [4, 9], range(20, 25)]):
+        entries: list[list[tuple[int, object, int]]] = [[], []]
+        for seq_id in seq_ids:
+            for m, tok, ents in zip(managers, tokens, entries):
+                ids = tok[seq_id]
+                m.append(seq_id, BS)
+                ids.extend([5 + (seq_id + step) % 3] * BS)
+                ents.append((seq_id, ids, len(ids)))
+        for seq_id, ids, num_tokens in entries[0]:
+            managers[0].commit(seq_id, TokenPrefix(ids, num_tokens))
+        managers[1].commit_many(entries[1])
+        for m in managers:
+            m.check()
+        assert _state(managers[0], tokens[0], probes) == _state(managers[1], tokens[1], probes)
+    assert len(managers[1].prefix_index._entry_rows) >= num_seqs  # grown
+
+
+def test_packed_rows_fill_reuse_and_grow_their_buffer():
+    """``_packed_rows`` writes a call's values row by row into the buffer it is given when
+    they fit (the same array back), else into a new one of at least twice the rows; a
+    value outside int64 raises struct.error."""
+    rows = np.full((2, 3), -1, dtype=np.int64)
+    same, num_rows = _packed_rows([1, 2, 3], rows, 3)
+    assert same is rows and num_rows == 1 and rows.tolist() == [[1, 2, 3], [-1, -1, -1]]
+    grown, num_rows = _packed_rows(list(range(9)), rows, 3)
+    assert grown is not rows and num_rows == 3 and grown.shape == (4, 3)
+    assert grown[:3].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with pytest.raises(struct.error):
+        _packed_rows([1, 2, 2**63], grown, 3)
+
+
+def test_registering_more_entries_than_rows_raises_changing_nothing():
+    """``native.allocate_steps_registering`` reads the first ``num_entries`` rows of the
+    buffer it is given: a count past its rows (or a negative one) raises ValueError
+    before anything changes."""
+    m, _ = _decoding_index(1)
+    index, pool = m.prefix_index, m.pool
+    before = (pool.state.tobytes(), pool.counts.tobytes(), index._keys.tobytes(), index._last_keys.tobytes())
+    rows = np.zeros((1, 4 + BS), dtype=np.int64)
+    for num_entries in (2, -1):
+        with pytest.raises(ValueError, match="num_entries"):
+            native.allocate_steps_registering(
+                pool.state,
+                pool.counts,
+                np.zeros(1, dtype=np.int64),
+                *native.step_buffers(0, 1),
+                index._keys,
+                index._vals,
+                index._used,
+                index._block_hash,
+                index._block_check,
+                index._multipliers,
+                rows,
+                num_entries,
+                index._last_keys,
+            )
+        after = (
+            pool.state.tobytes(),
+            pool.counts.tobytes(),
+            index._keys.tobytes(),
+            index._last_keys.tobytes(),
+        )
+        assert after == before
+
+
 def test_index_commit_many_commits_the_entries_before_an_unknown_seq():
     """``PrefixIndex.commit_many`` raises on the first bad entry with the entries before it
     committed (its contract): the decode commit batched before an unknown sequence is
@@ -184,6 +273,20 @@ def test_a_count_past_the_ids_raises_where_the_index_reads_them():
         m.commit_many([(0, ids[0], 2 * BS), (1, short, 2 * BS)])
     assert m.prefix_index.registration(0)[0] == 2
     assert m.prefix_index.registration(1)[0] == 1
+    m.check()
+
+
+def test_an_entry_whose_table_lacks_its_block_raises_where_the_index_reads_it():
+    """An entry completing a block its table does not hold (seq 1 hands the index only
+    its first block): the batch stops there and the plain commit raises ValueError; the
+    decode commit before it is registered, seq 1 registers nothing."""
+    m, ids = _decoding_index(2)
+    index = m.prefix_index
+    rows = [(0, ids[0], 2 * BS, m.block_table(0), None), (1, ids[1], 2 * BS, m.block_table(1)[:1], None)]
+    with pytest.raises(ValueError, match=f"commits {2 * BS} tokens but its block table has only 1 blocks"):
+        index.commit_many(rows)
+    assert index.registration(0)[0] == 2
+    assert index.registration(1)[0] == 1
     m.check()
 
 
@@ -318,6 +421,26 @@ def test_a_decode_block_across_an_array_prompts_end_is_keyed_from_its_own_ids():
     run.advance_many(2, [[], [(0, ids, 8)]])
     assert m.prefix_index.registration(0)[0] == 2
     assert m.prefix_index.match([3, 4, 4, 3, 4, 3, 4, 3, 9], None).num_blocks == 2
+    m.check()
+
+
+def test_a_decode_block_in_an_array_prompts_tail_is_batched_under_its_own_ids():
+    """A trace prompt (``ArrayTokenIds``) of 4 ids whose decode tokens fill block 1 from
+    its appended tail: the commit joins the batch (it leaves the token ids' key chain
+    behind, as only the batch does: a plain commit would key the chain to block 1) and
+    registers the block under the key of its own ids (a list of the same ids matches
+    both blocks; a different tail does not match block 1)."""
+    m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex())
+    ids = ArrayTokenIds(np.array([3, 4, 4, 3], dtype=np.int64))
+    m.allocate(0, ids, BS, None)
+    m.commit(0, ids)  # block 0, which keys the chain
+    m.append(0, BS)
+    ids.extend([4, 3, 3, 4])
+    m.commit_many([(0, ids, 2 * BS)])
+    assert m.prefix_index.registration(0)[0] == 2
+    assert ids.key_chain is not None and ids.key_chain.num_blocks == 1  # batched: chain left behind
+    assert m.prefix_index.match([3, 4, 4, 3, 4, 3, 3, 4, 9], None).num_blocks == 2
+    assert m.prefix_index.match([3, 4, 4, 3, 3, 4, 3, 4, 9], None).num_blocks == 1
     m.check()
 
 

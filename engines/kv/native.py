@@ -378,14 +378,16 @@ def allocate_steps_registering(
     block_check,
     multipliers,
     entries,
+    num_entries,
     lanes,
 ):  # pragma: no cover - compiled
     """``allocate_steps_into`` (``needs``, ``out``, ``reused``, ``reused_per_step`` as
     there) with registrations after each step. ``entries`` int64
-    [entries, 4 + bs] (``bs = multipliers.shape[0]``; the caller keeps that width): per
-    entry its step, row, position and block, then the block's ``bs`` token ids (one
-    array: each argument costs a type check per call and each conversion a numpy call,
-    and the decode path calls this once per step or span).
+    [capacity, 4 + bs] (``bs = multipliers.shape[0]``; the caller keeps that width), of
+    which the first ``num_entries`` rows are read (the caller reuses one array across
+    calls): per entry its step, row, position and block, then the block's ``bs`` token
+    ids (one array: each argument costs a type check per call and each conversion a
+    numpy call, and the decode path calls this once per step or span).
     After step ``t``'s blocks are taken, entries ``e`` of step ``t`` (steps ascending) are
     keyed and registered in order (``commit_many`` is one step with no blocks taken).
     Entry ``e`` keys its block, block ``position`` of its sequence, from ``entries[e,
@@ -396,11 +398,12 @@ def allocate_steps_registering(
     left as they are); each step's entries are then registered by one ``register_run``
     call, in order. Returns (how many of the blocks taken were cached, how many blocks were
     registered). Raises ValueError, changing nothing, when an output does not fit
-    ``needs`` (``_check_step_buffers``)."""
+    ``needs`` (``_check_step_buffers``) or ``entries`` holds fewer than ``num_entries`` rows."""
     _check_step_buffers(needs, out, reused, reused_per_step)
-    num_entries = entries.shape[0]
+    if not 0 <= num_entries <= entries.shape[0]:
+        raise ValueError("allocate_steps_registering: num_entries out of the entries' rows")
     entry_keys = np.empty((2, num_entries), dtype=np.uint64)  # lanes 0 and 1 of each entry's key
-    blocks = np.ascontiguousarray(entries[:, 3])
+    blocks = np.ascontiguousarray(entries[:num_entries, 3])
     at = 0
     k = 0
     e = 0

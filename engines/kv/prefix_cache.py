@@ -29,7 +29,14 @@ import numpy as np
 
 from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
-from kvbench.engines.kv.token_ids import NO_BLOCK_IDS, BlockKeyChain, KeyCarrier, id_list, prefix_of
+from kvbench.engines.kv.token_ids import (
+    NO_BLOCK_IDS,
+    ArrayTokenIds,
+    BlockKeyChain,
+    KeyCarrier,
+    id_list,
+    prefix_of,
+)
 from kvbench.hashing import block_multipliers
 from kvbench.records import frozen_record
 
@@ -336,12 +343,22 @@ class _StepRegistrations:
                 else:
                     state = states[row]
                     first = state.num_blocks + num_entries[row]
-                num_full = num_tokens // bs
-                if num_full <= first:
-                    continue  # no new full block
-                if num_full != first + 1 or first >= len(block_ids):
+                if num_tokens // bs != first + 1:
+                    if num_tokens // bs <= first:
+                        continue  # no new full block
                     return step, at
-                ids = id_list(token_ids, first * bs, num_full * bs)
+                try:
+                    block = block_ids[first]
+                except IndexError:
+                    return step, at  # (first is never negative)
+                begin = first * bs
+                # id_list's usual case inline: a decode block within an ArrayTokenIds'
+                # appended tail (a call per block cost a fifth of this loop).
+                if type(token_ids) is ArrayTokenIds and begin >= token_ids._num_array:
+                    begin -= token_ids._num_array
+                    ids = token_ids.tail[begin : begin + bs]
+                else:
+                    ids = id_list(token_ids, begin, begin + bs)
                 if len(ids) != bs:
                     return step, at  # a count past the ids: the plain commit raises
                 if row is None:
@@ -350,24 +367,48 @@ class _StepRegistrations:
                     num_entries.append(1)
                 else:
                     num_entries[row] += 1
-                flat += (step, state.slot, first, block_ids[first])
+                flat += (step, state.slot, first, block)
                 flat += ids
             start = 0
         return None
 
 
-def _int64_rows(values: list[int], width: int) -> np.ndarray:
-    """``values`` (integers, a multiple of ``width`` of them) as a new int64 array [rows,
-    width]. ``struct`` packs them in one C loop at about half the instructions per value of
-    ``np.fromiter`` (numpy's generic item setter per value) or ``np.array`` (which first
-    scans for nesting); decode registrations convert ``4 + block_size`` values per block.
-    Raises struct.error for a value that is no integer or lies outside int64."""
-    out = np.empty((len(values) // width, width), dtype=np.int64)
-    struct.pack_into(f"={len(values)}q", out, 0, *values)  # native order, 8-byte standard size
-    return out
+# Packers of int64 values by count (``_new_packer``): one compiled format per count,
+# since building the format string on every call cost as much as packing 20 values.
+_PACKERS: dict[int, struct.Struct] = {}
+_MAX_PACKERS = 128  # then the dict starts over, as struct's own cache of formats does
+
+
+def _new_packer(num_values: int) -> struct.Struct:
+    """Packs ``num_values`` integers as int64 (native order, 8-byte standard size); kept
+    in ``_PACKERS``. Mutates it."""
+    if len(_PACKERS) >= _MAX_PACKERS:
+        _PACKERS.clear()
+    packer = _PACKERS[num_values] = struct.Struct(f"={num_values}q")
+    return packer
+
+
+def _packed_rows(values: list[int], rows: np.ndarray, width: int) -> tuple[np.ndarray, int]:
+    """``values`` (integers, a multiple of ``width`` of them) packed row by row into the
+    first rows of ``rows`` (int64 [capacity, width], C order), or of a new array of at
+    least twice the capacity when they do not fit. Returns (that array, which the caller
+    keeps for its next call, and the number of rows filled); rows past those keep stale
+    values. ``struct`` packs them in one C loop at about half the instructions per value
+    of ``np.fromiter`` (numpy's generic item setter per value) or ``np.array`` (which
+    first scans for nesting), and one array reused saves a numpy allocation per call;
+    decode registrations convert ``width = 4 + block_size`` values per block, in calls
+    of a few blocks. Raises struct.error for a value that is no integer or lies outside
+    int64 (then the rows hold part of the values). Mutates ``rows``."""
+    num_values = len(values)
+    num_rows = num_values // width
+    if num_rows > len(rows):
+        rows = np.empty((max(num_rows, 2 * len(rows)), width), dtype=np.int64)
+    (_PACKERS.get(num_values) or _new_packer(num_values)).pack_into(rows, 0, *values)
+    return rows, num_rows
 
 
 _FIRST_SLOTS = 16  # rows of a block-hash index's last-key table when it first grows
+_FIRST_ENTRY_ROWS = 64  # rows of a block-hash index's decode-registration buffer at first
 
 _NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
 # Its step buffers, shared by every call since nothing reads them: the two block arrays
@@ -397,6 +438,10 @@ class BlockHashPrefixIndex:
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
         self._block_size = 0
+        self._multipliers = np.zeros(0, dtype=np.uint64)  # block_multipliers(block size), set by bind
+        # int64 [capacity, 4 + block size]: a call's decode registrations, packed by
+        # _packed_rows (set by bind; _register_in_steps keeps the array it grows into).
+        self._entry_rows = np.zeros((0, 0), dtype=np.int64)
         # The hash table (native.py: linear probing, lane 0 -> block). Dropping a
         # registration leaves its entry behind (see _on_blocks_reused): an entry h -> b is
         # live while the pool flags b cached and _block_hash[b] == h; the table is rebuilt
@@ -436,6 +481,8 @@ class BlockHashPrefixIndex:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self._pool = pool
         self._block_size = block_size
+        self._multipliers = block_multipliers(block_size)
+        self._entry_rows = np.empty((_FIRST_ENTRY_ROWS, 4 + block_size), dtype=np.int64)
         num_slots = 1 << max(_SLOTS_PER_BLOCK * max(pool.num_blocks, 16) - 1, 1).bit_length()
         self._keys = np.zeros(num_slots, dtype=np.uint64)
         self._vals = np.full(num_slots, native.EMPTY, dtype=np.int32)
@@ -672,6 +719,8 @@ class BlockHashPrefixIndex:
         reuse listener hears of the cached blocks taken. Returns
         ``BlockPool.allocate_steps``' result. Mutates the pool, index, states and buffers."""
         pool = self._bound_pool()
+        # Packed first: a value that is no int64 raises here, changing nothing.
+        self._entry_rows, num_rows = _packed_rows(steps.entries, self._entry_rows, 4 + self._block_size)
         self._version += 1
         taken, reused, reused_per_step = buffers
         num_reused, registered = native.allocate_steps_registering(
@@ -686,8 +735,9 @@ class BlockHashPrefixIndex:
             self._used,
             self._block_hash,
             self._block_check,
-            block_multipliers(self._block_size),
-            _int64_rows(steps.entries, 4 + self._block_size),  # [entries, 4 + bs]
+            self._multipliers,
+            self._entry_rows,  # [capacity, 4 + bs], its first num_rows rows the entries
+            num_rows,
             self._last_keys,  # each entry's slot chains from it, then holds the entry's key
         )
         self._num_registered += registered
