@@ -290,6 +290,21 @@ def test_an_entry_whose_table_lacks_its_block_raises_where_the_index_reads_it():
     m.check()
 
 
+def test_an_entry_completing_no_new_block_is_skipped_in_the_batch():
+    """An entry whose count completes no block past the registered ones is skipped by
+    the batch, not committed plainly: even with a count past its ids (only block 0's ids
+    and one more counted) it raises nothing and registers nothing, and a sequence
+    committed twice in one step registers its block once, in the batch (the ids' key
+    chain is left behind, as only the batch does)."""
+    m, ids = _decoding_index(1)
+    m.commit_many([(0, KeyedTokenIds(ids[0][:BS]), BS + 1)])
+    assert m.prefix_index.registration(0)[0] == 1
+    m.commit_many([(0, ids[0], 2 * BS), (0, ids[0], 2 * BS)])
+    assert m.prefix_index.registration(0)[0] == 2
+    assert ids[0].key_chain is not None and ids[0].key_chain.num_blocks == 1
+    m.check()
+
+
 def test_decode_steps_refuse_a_bad_commit_changing_nothing():
     """``advance_many`` checks every step's commit entries before it changes anything: a
     count past the slots or a negative one raises ValueError and leaves the run and the

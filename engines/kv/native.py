@@ -398,7 +398,8 @@ def allocate_steps_registering(
     left as they are); each step's entries are then registered by one ``register_run``
     call, in order. Returns (how many of the blocks taken were cached, how many blocks were
     registered). Raises ValueError, changing nothing, when an output does not fit
-    ``needs`` (``_check_step_buffers``) or ``entries`` holds fewer than ``num_entries`` rows."""
+    ``needs`` (``_check_step_buffers``) or ``num_entries`` lies outside ``[0,
+    entries.shape[0]]``."""
     _check_step_buffers(needs, out, reused, reused_per_step)
     if not 0 <= num_entries <= entries.shape[0]:
         raise ValueError("allocate_steps_registering: num_entries out of the entries' rows")

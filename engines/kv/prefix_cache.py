@@ -350,10 +350,11 @@ class _StepRegistrations:
                 try:
                     block = block_ids[first]
                 except IndexError:
-                    return step, at  # (first is never negative)
+                    return step, at  # the table lacks block first (first >= 0: no wrap-around)
                 begin = first * bs
-                # id_list's usual case inline: a decode block within an ArrayTokenIds'
-                # appended tail (a call per block cost a fifth of this loop).
+                # id_list's first branch inline (keep the two alike): a decode block
+                # within an ArrayTokenIds' appended tail (a call per block cost a fifth
+                # of this loop).
                 if type(token_ids) is ArrayTokenIds and begin >= token_ids._num_array:
                     begin -= token_ids._num_array
                     ids = token_ids.tail[begin : begin + bs]
@@ -380,8 +381,8 @@ _MAX_PACKERS = 128  # then the dict starts over, as struct's own cache of format
 
 
 def _new_packer(num_values: int) -> struct.Struct:
-    """Packs ``num_values`` integers as int64 (native order, 8-byte standard size); kept
-    in ``_PACKERS``. Mutates it."""
+    """A Struct packing ``num_values`` integers as int64 (native order, 8-byte standard
+    size), kept in ``_PACKERS``. Mutates it."""
     if len(_PACKERS) >= _MAX_PACKERS:
         _PACKERS.clear()
     packer = _PACKERS[num_values] = struct.Struct(f"={num_values}q")
@@ -398,7 +399,7 @@ def _packed_rows(values: list[int], rows: np.ndarray, width: int) -> tuple[np.nd
     first scans for nesting), and one array reused saves a numpy allocation per call;
     decode registrations convert ``width = 4 + block_size`` values per block, in calls
     of a few blocks. Raises struct.error for a value that is no integer or lies outside
-    int64 (then the rows hold part of the values). Mutates ``rows``."""
+    int64 (then the rows hold part of the values). Mutates ``rows`` and ``_PACKERS``."""
     num_values = len(values)
     num_rows = num_values // width
     if num_rows > len(rows):
@@ -438,7 +439,8 @@ class BlockHashPrefixIndex:
     def __init__(self) -> None:
         self._pool: BlockPool | None = None
         self._block_size = 0
-        self._multipliers = np.zeros(0, dtype=np.uint64)  # block_multipliers(block size), set by bind
+        # uint64 [block size]: block_multipliers(block size), set by bind.
+        self._multipliers = np.zeros(0, dtype=np.uint64)
         # int64 [capacity, 4 + block size]: a call's decode registrations, packed by
         # _packed_rows (set by bind; _register_in_steps keeps the array it grows into).
         self._entry_rows = np.zeros((0, 0), dtype=np.int64)
