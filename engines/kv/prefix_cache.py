@@ -355,8 +355,8 @@ class _StepRegistrations:
                 # id_list's first branch inline (keep the two alike): a decode block
                 # within an ArrayTokenIds' appended tail (a call per block cost a fifth
                 # of this loop).
-                if type(token_ids) is ArrayTokenIds and begin >= token_ids._num_array:
-                    begin -= token_ids._num_array
+                if type(token_ids) is ArrayTokenIds and begin >= token_ids.num_prompt_ids:
+                    begin -= token_ids.num_prompt_ids
                     ids = token_ids.tail[begin : begin + bs]
                 else:
                     ids = id_list(token_ids, begin, begin + bs)

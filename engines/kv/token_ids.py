@@ -175,7 +175,7 @@ def _id_array(token_ids: Sequence[int], start: int, stop: int) -> np.ndarray:
     ``ArrayTokenIds``' prompt array (directly or through a view) when the range lies in
     it, else a copy (``id_list``: for a decode block, of its appended tail only)."""
     tokens, first, last = _unwrapped(token_ids, start, stop)
-    if type(tokens) is ArrayTokenIds and last <= tokens._num_array:  # exact: see _unwrapped
+    if type(tokens) is ArrayTokenIds and last <= tokens.num_prompt_ids:  # exact: see _unwrapped
         return tokens.array[first:last]
     return np.array(id_list(token_ids, start, stop), dtype=np.int64)
 
@@ -193,7 +193,7 @@ def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
     if type(tokens) is not ArrayTokenIds:  # a sequence's own ids (every commit entry's) skip the call
         tokens, start, stop = _unwrapped(token_ids, start, stop)
     if type(tokens) is ArrayTokenIds:  # exact: see _unwrapped
-        num_array = tokens._num_array
+        num_array = tokens.num_prompt_ids
         if start >= num_array:
             return tokens.tail[start - num_array : stop - num_array]
         if stop > num_array:
@@ -280,7 +280,9 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
     iteration, indexing (Python ints), slicing (a new list), ``==`` with lists and views
     of equal ids, ``copy`` (also ``copy.copy``/``deepcopy``); list arithmetic (``+``,
     ``*``) and ordering are not offered. ``append``/``extend`` are the tail list's own
-    (C) methods.
+    (C) methods. ``tail`` (the appended ids) and ``num_prompt_ids`` (the prompt's length)
+    are read directly by the decode-registration loop; neither is rebound after
+    construction (``tail`` only grows).
 
     The prompt may also be ``ComputedTokenIds`` (a trace prompt computed when read): its
     ids are then computed on the first read of ``array`` and held from then on, so a
@@ -288,13 +290,13 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
     Mooncake replay queues thousands of requests of 12K tokens each).
     """
 
-    __slots__ = ("_array", "tail", "_num_array", "append", "extend", "key_chain")
+    __slots__ = ("_array", "tail", "num_prompt_ids", "append", "extend", "key_chain")
 
     def __init__(self, array: np.ndarray | ComputedTokenIds, tail: Iterable[int] = ()) -> None:
         if isinstance(array, np.ndarray) and (array.ndim != 1 or array.dtype.kind not in "iu"):
             raise ValueError(f"ArrayTokenIds: a 1-D integer array is needed, got {array.dtype} {array.shape}")
         self._array = array
-        self._num_array = len(array)
+        self.num_prompt_ids = len(array)
         self.tail: list[int] = list(tail)
         self.append = self.tail.append
         self.extend = self.tail.extend
@@ -310,10 +312,10 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
         return array
 
     def __len__(self) -> int:
-        return self._num_array + len(self.tail)
+        return self.num_prompt_ids + len(self.tail)
 
     def __getitem__(self, index):  # type: ignore[override]  # int -> int, slice -> list
-        num_array = self._num_array
+        num_array = self.num_prompt_ids
         if isinstance(index, slice):
             start, stop, step = index.indices(num_array + len(self.tail))
             if step != 1:
@@ -357,7 +359,7 @@ class ArrayTokenIds(KeyCarrier, Sequence[int]):
         return self.copy()
 
     def __repr__(self) -> str:
-        return f"ArrayTokenIds(len={len(self)}, prompt={self._num_array})"
+        return f"ArrayTokenIds(len={len(self)}, prompt={self.num_prompt_ids})"
 
 
 class TokenSpan(Sequence[int]):
