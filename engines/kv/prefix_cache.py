@@ -444,6 +444,7 @@ class BlockHashPrefixIndex:
         # int64 [capacity, 4 + block size]: a call's decode registrations, packed by
         # _packed_rows (set by bind; _register_in_steps keeps the array it grows into).
         self._entry_rows = np.zeros((0, 0), dtype=np.int64)
+        self._entry_width = 0  # its width: 4 + block size, set by bind
         # The hash table (native.py: linear probing, lane 0 -> block). Dropping a
         # registration leaves its entry behind (see _on_blocks_reused): an entry h -> b is
         # live while the pool flags b cached and _block_hash[b] == h; the table is rebuilt
@@ -484,7 +485,8 @@ class BlockHashPrefixIndex:
         self._pool = pool
         self._block_size = block_size
         self._multipliers = block_multipliers(block_size)
-        self._entry_rows = np.empty((_FIRST_ENTRY_ROWS, 4 + block_size), dtype=np.int64)
+        self._entry_width = 4 + block_size  # step, slot, position, block, then the block's ids
+        self._entry_rows = np.empty((_FIRST_ENTRY_ROWS, self._entry_width), dtype=np.int64)
         num_slots = 1 << max(_SLOTS_PER_BLOCK * max(pool.num_blocks, 16) - 1, 1).bit_length()
         self._keys = np.zeros(num_slots, dtype=np.uint64)
         self._vals = np.full(num_slots, native.EMPTY, dtype=np.int32)
@@ -722,7 +724,7 @@ class BlockHashPrefixIndex:
         ``BlockPool.allocate_steps``' result. Mutates the pool, index, states and buffers."""
         pool = self._bound_pool()
         # Packed first: a value that is no int64 raises here, changing nothing.
-        self._entry_rows, num_rows = _packed_rows(steps.entries, self._entry_rows, 4 + self._block_size)
+        self._entry_rows, num_rows = _packed_rows(steps.entries, self._entry_rows, self._entry_width)
         self._version += 1
         taken, reused, reused_per_step = buffers
         num_reused, registered = native.allocate_steps_registering(
