@@ -128,6 +128,28 @@ def test_chat_with_shared_prefixes_and_poisson_arrivals():
     )
 
 
+def priority_arrivals() -> Workload:
+    """Poisson arrivals of mixed priorities: under the priority policy a later arrival
+    that matters more joins ``running`` ahead of groups already there (not at its end)."""
+    requests = random_requests(
+        24,
+        {"kind": "uniform", "low": 10, "high": 60},
+        {"kind": "uniform", "low": 10, "high": 60},
+        {"kind": "poisson", "rate_per_s": 60.0},
+        vocab_size=SPEC.vocab_size,
+        seed=9,
+    ).requests
+    return Workload(
+        "priorities", tuple(dataclasses.replace(r, priority=(7 * i) % 4) for i, r in enumerate(requests))
+    )
+
+
+def test_priority_admissions_ahead_of_running_groups_as_stepping():
+    assert_identical(
+        priority_arrivals(), min_covered_share=0.3, num_blocks=48, max_num_seqs=8, victim_policy="priority"
+    )
+
+
 def test_small_pool_preempts_and_blocks_admission():
     workload = random_requests(
         12,
@@ -581,6 +603,7 @@ class BatchCheckingEngine(PagedEngine):
         if batch is not None:
             assert batch.pairs == expected
             assert batch.seqs == [seq for _, seq in expected]
+            assert batch.seq_ids == [seq.seq_id for _, seq in expected]
             self.num_batches += 1
         self.scheduler.check()  # every running group not marked changed is decode-ready
         return super().step()
@@ -607,8 +630,9 @@ class BatchCheckingEngine(PagedEngine):
             {"num_blocks": 40, "max_num_seqs": 9, "preemption": "swap"},
         ),
         (random_requests(4, 30, 25, vocab_size=SPEC.vocab_size, seed=6, beam_width=2), {"num_blocks": 64}),
+        (priority_arrivals(), {"num_blocks": 48, "max_num_seqs": 8, "victim_policy": "priority"}),
     ],
-    ids=["chunks_and_preemption", "samples_and_swaps", "beams"],
+    ids=["chunks_and_preemption", "samples_and_swaps", "beams", "priorities"],
 )
 def test_decode_batch_checks_only_changed_groups_and_answers_as_the_rule(workload, params):
     ctx = EngineContext(SPEC, SLOW, None, "cpu", "fp32", 0, "sim")
@@ -619,6 +643,32 @@ def test_decode_batch_checks_only_changed_groups_and_answers_as_the_rule(workloa
     assert len(raw.requests) == len(workload.requests)
     if not any(request.beam_width > 1 for request in workload.requests):
         assert engine.num_batches > 0  # decode batches were really formed
+
+
+def test_check_catches_running_sequences_kept_out_of_step():
+    """``check`` compares the sequences and ids kept next to ``running`` (what
+    ``decode_batch`` hands out) with the groups: a pair out of order, a stale id or a
+    list of the wrong length each raise."""
+    ctx = EngineContext(SPEC, SLOW, None, "cpu", "fp32", 0, "sim")
+    engine = PagedEngine(ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), num_blocks=64)
+    for request in random_requests(3, 40, 20, vocab_size=SPEC.vocab_size, seed=8).requests:
+        engine.add_request(request)
+    while len(engine.scheduler.running) < 3:
+        engine.step()
+    scheduler = engine.scheduler
+    scheduler.check()
+    seqs, ids = scheduler._running_seqs, scheduler._running_seq_ids
+    for corrupt, message in [
+        (lambda: (seqs.reverse(), ids.reverse()), "is not its one sequence"),
+        (lambda: ids.__setitem__(0, ids[0] + 1000), "kept id"),
+        (lambda: seqs.pop(), "kept next to them"),
+    ]:
+        saved_seqs, saved_ids = list(seqs), list(ids)
+        corrupt()
+        with pytest.raises(AssertionError, match=message):
+            scheduler.check()
+        seqs[:], ids[:] = saved_seqs, saved_ids
+        scheduler.check()
 
 
 def test_verify_carry_catches_a_carried_batch_that_is_off(monkeypatch):

@@ -230,10 +230,12 @@ class DecodeBatch:
     forked; some may have left ``running`` since). A pair whose group is not in
     ``changed`` and that was in the previous batch has changed only through that
     batch's decode-run calls: a caller may carry what it knew about it. ``seqs``: the
-    pairs' sequences, in order."""
+    pairs' sequences, in order; ``seq_ids``: their ids. The lists are the batch's own
+    (the scheduler's queues change under a run that admits or retires)."""
 
     pairs: list[tuple[SequenceGroup, Sequence]]
     seqs: list[Sequence]
+    seq_ids: list[int]
     changed: tuple[SequenceGroup, ...]
 
 
@@ -266,6 +268,15 @@ class Scheduler:
         self.block_size = kv.block_size
         self.waiting: list[SequenceGroup] = []  # sorted by policy key
         self.running: list[SequenceGroup] = []  # sorted by policy key; victims from the end
+        # Parallel to ``running`` (entry i for running[i]): the group's first sequence when
+        # it joined, and that sequence's id. A group of one sample (num_samples 1: no beam,
+        # no parallel samples) runs that one sequence for as long as it is running, and
+        # ``decode_batch`` reads them only when every group is such a group: its batch
+        # without a Python pass over the groups (two passes cost about 450 instructions a
+        # sequence, at every decode run). Changed with ``running`` only, by ``_insert`` and
+        # ``_remove_running`` (``check``).
+        self._running_seqs: list[Sequence] = []
+        self._running_seq_ids: list[int] = []
         self.swapped: list[SequenceGroup] = []  # sorted by policy key
         self._seqs: dict[int, tuple[SequenceGroup, Sequence]] = {}
         self._next_seq_id = 0
@@ -502,18 +513,20 @@ class Scheduler:
                 return None
         running = self.running
         if self._single_samples():
-            # Each group's one live sequence (num_running_seqs): one pass over the groups,
-            # the pairs zipped in C (a pass of its own per pair list cost half again).
-            seqs = [group.seqs[0] for group in running]
+            # Each group's one live sequence (num_running_seqs), kept next to running:
+            # copies in C, the pairs zipped in C.
+            seqs = self._running_seqs.copy()
+            seq_ids = self._running_seq_ids.copy()
             pairs = list(zip(running, seqs))
         else:
             pairs = [(group, seq) for group in running for seq in group.seqs]
             seqs = [seq for _, seq in pairs]
+            seq_ids = [seq.seq_id for seq in seqs]
         if len(pairs) > self.config.max_num_batched_tokens:
             return None
         changed = tuple(unchecked.values())
         unchecked.clear()
-        return DecodeBatch(pairs, seqs, changed)
+        return DecodeBatch(pairs, seqs, seq_ids, changed)
 
     def append_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun) -> bool:
         """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``)
@@ -800,7 +813,7 @@ class Scheduler:
                     continue
                 self._preempt_self(group)
                 return False
-            self.running.pop()
+            self._remove_running(len(self.running) - 1)
             self._preempt(victim)
         return True
 
@@ -910,7 +923,7 @@ class Scheduler:
         # would carry them along, so a partly grown group is recomputed instead.
         partly_grown = any(piece[0] is group for piece in self._pieces)
         self._drop_pieces(group)
-        self.running.remove(group)
+        self._remove_running(self.running.index(group))
         if not self.running:
             # Alone in the pool and still no room: it would loop forever. Reject it.
             self._release(group)
@@ -1314,7 +1327,7 @@ class Scheduler:
     def _retire(self, group: SequenceGroup) -> None:
         self._unchecked.pop(id(group), None)
         if group.status is GroupStatus.RUNNING:
-            self.running.remove(group)
+            self._remove_running(self.running.index(group))
             self._seq_budget_used -= group.num_samples
         group.status = GroupStatus.FINISHED
         self._finished.append(group.to_finished())
@@ -1349,11 +1362,20 @@ class Scheduler:
         key = self.policy.key
         own = key(group)
         if not queue or key(queue[-1]) <= own:
-            queue.append(group)  # where insort puts it: after the last key <= its own
+            at = len(queue)  # where insort puts it: after the last key <= its own
         else:
-            queue.insert(bisect.bisect_right(queue, own, key=key), group)
+            at = bisect.bisect_right(queue, own, key=key)
+        queue.insert(at, group)
         if queue is self.running:
             self._unchecked[id(group)] = group
+            seq = group.seqs[0]
+            self._running_seqs.insert(at, seq)
+            self._running_seq_ids.insert(at, seq.seq_id)
+
+    def _remove_running(self, at: int) -> None:
+        """Take ``running[at]`` out of ``running`` and its entries out of the lists kept
+        next to it. Mutates the three."""
+        del self.running[at], self._running_seqs[at], self._running_seq_ids[at]
 
     # Every change of the waiting queue goes through these two, which report it to the KV
     # manager (the contract's waiting_entered / waiting_left: the slab sizes its external
@@ -1379,7 +1401,8 @@ class Scheduler:
         tokens' slots; a detached one (see ``_attach``) holds nothing, has computed nothing
         and is not the leader; waiting groups hold none; the sequence budget matches the
         running groups, and ``num_running_seqs`` their live sequences; each queue is in the
-        victim policy's order.
+        victim policy's order; the sequences and ids kept next to ``running`` are, for each
+        group of one sample, its one sequence and that sequence's id.
         """
         kv = self.kv
         key = self.policy.key
@@ -1422,6 +1445,16 @@ class Scheduler:
             assert id(group) in self._unchecked or is_decode_ready(group), (
                 f"{group.request_id}: not decode-ready but not marked changed (_unchecked)"
             )
+        assert len(self._running_seqs) == len(self._running_seq_ids) == len(self.running), (
+            f"{len(self.running)} running groups but {len(self._running_seqs)} sequences and "
+            f"{len(self._running_seq_ids)} ids kept next to them"
+        )
+        for group, seq, seq_id in zip(self.running, self._running_seqs, self._running_seq_ids):
+            assert seq.seq_id == seq_id, f"{group.request_id}: kept id {seq_id} for seq {seq.seq_id}"
+            if group.num_samples == 1:
+                assert len(group.seqs) == 1 and group.seqs[0] is seq, (
+                    f"{group.request_id}: kept seq {seq.seq_id} is not its one sequence"
+                )
         num_seqs = sum(group.num_samples for group in self.running)
         assert num_seqs == self._seq_budget_used, f"sequence budget {self._seq_budget_used} != {num_seqs}"
         num_live = sum(len(group.seqs) for group in self.running)

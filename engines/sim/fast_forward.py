@@ -347,8 +347,7 @@ class FastForward:
         carry, self._carry = self._carry, None  # a run that does not start voids it
         if batch is None:
             return None
-        pairs, seqs = batch.pairs, batch.seqs
-        seq_ids = [seq.seq_id for seq in seqs]
+        pairs, seqs, seq_ids = batch.pairs, batch.seqs, batch.seq_ids
         id_array = np.fromiter(seq_ids, np.int64, len(seq_ids))  # the carry's key
         columns, run = self._columns_and_run(batch, seq_ids, id_array, carry)
         if run is None:
