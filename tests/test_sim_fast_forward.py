@@ -653,9 +653,12 @@ def test_check_catches_running_sequences_kept_out_of_step():
     engine = PagedEngine(ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), num_blocks=64)
     for request in random_requests(3, 40, 20, vocab_size=SPEC.vocab_size, seed=8).requests:
         engine.add_request(request)
-    while len(engine.scheduler.running) < 3:
+    for _ in range(100):
+        if len(engine.scheduler.running) == 3:
+            break
         engine.step()
     scheduler = engine.scheduler
+    assert len(scheduler.running) == 3
     scheduler.check()
     seqs, ids = scheduler._running_seqs, scheduler._running_seq_ids
     for corrupt, message in [

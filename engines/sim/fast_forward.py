@@ -292,13 +292,13 @@ class FastForward:
         self._carry: _Carry | None = None
 
     def _columns_and_run(
-        self, batch: DecodeBatch, seq_ids: list[int], id_array: np.ndarray, carry: _Carry | None
+        self, batch: DecodeBatch, id_array: np.ndarray, carry: _Carry | None
     ) -> tuple[BatchColumns, DecodeRun | None]:
         """The batch's columns and KV run (None: a copy-on-write ahead), carried from
         ``carry`` for the sequences it knew and the batch does not report changed, read
-        for the others. ``id_array``: ``seq_ids`` as int64 [seq]. Mutates the stand-in
-        key memo."""
-        pairs, kv, tokens = batch.pairs, self.kv, self.tokens
+        for the others. ``id_array``: the batch's ``seq_ids`` as int64 [seq]. Mutates the
+        stand-in key memo."""
+        pairs, seq_ids, kv, tokens = batch.pairs, batch.seq_ids, self.kv, self.tokens
         if carry is None:
             return BatchColumns.read(pairs, tokens), kv.try_decode_run(seq_ids)
         rows = carry.rows(seq_ids, id_array, batch.changed)
@@ -347,9 +347,9 @@ class FastForward:
         carry, self._carry = self._carry, None  # a run that does not start voids it
         if batch is None:
             return None
-        pairs, seqs, seq_ids = batch.pairs, batch.seqs, batch.seq_ids
-        id_array = np.fromiter(seq_ids, np.int64, len(seq_ids))  # the carry's key
-        columns, run = self._columns_and_run(batch, seq_ids, id_array, carry)
+        pairs, seqs = batch.pairs, batch.seqs
+        id_array = np.fromiter(batch.seq_ids, np.int64, len(seqs))  # the carry's key
+        columns, run = self._columns_and_run(batch, id_array, carry)
         if run is None:
             return None  # a copy-on-write ahead: a normal step
         kv = self.kv
