@@ -22,7 +22,7 @@ import sys
 import time
 import typing
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -577,22 +577,33 @@ class _CoveredTokens:
 # run holds 8 bytes a cell, not an object a cell, plus at most this many steps' objects.
 STEPS_CHUNK = 4096
 
+# What a row holds in a cell whose steps take other values (a covered output's timing and
+# varying columns, which are numeric): a bool, the kind every numeric kind absorbs, so the
+# cell adds nothing to its column's dtype (see StepsRecorder).
+_OVERRIDDEN = False
+
 
 class StepsRecorder:
     """The steps frame, built while the run goes: one row per step, the runner's timing
     columns then the stats' flattened fields (``stats_layout``).
 
-    Rows come as single steps (``add``: a timing row and its stats) and multi-step outputs
+    Steps come as single steps (``add``: a timing row and its stats) and multi-step outputs
     (``add_covered``: timing columns and a CoveredSteps, of which only the stats columns
     are kept, so no output's token rows outlive its step call). Consecutive steps with
     one stats class form a run, whose columns are lists of numpy chunks; runs of
     different classes are aligned by column name at the end. Every ``chunk_steps`` steps
-    the pending Python values become one chunk per column: np.array of a chunk and
-    np.concatenate of the chunks give the dtype and values np.array gives the whole
-    column (int, float and bool promote the same piecewise). A covered output's value
-    that stands for all its steps is kept once with its count and repeated by numpy in
-    the chunk: np.repeat of np.array of the values gives what np.array of the repeated
-    values gives (the same values, so the same dtype). Mutates itself.
+    the pending values become one chunk per column, as ``np.array`` of the column's
+    values in step order would build it (int, float and bool promote the same piecewise,
+    so ``np.concatenate`` of the chunks gives the whole column).
+
+    Pending steps are kept as rows, each with the number of steps it stands for: a single
+    step, or a covered output's template (its stats with the timing and varying cells
+    set to ``_OVERRIDDEN``), whose steps' own values of those columns go to per-column
+    override lists. One output then costs a row and a few list extends, not a Python
+    pass over the ~40 columns; a chunk is built column by column in numpy: the rows'
+    values repeated by their counts, the overrides written over their steps, in the dtype
+    ``np.result_type`` of the two (an ``_OVERRIDDEN`` cell adds nothing to it). Mutates
+    itself.
     """
 
     def __init__(self, chunk_steps: int = STEPS_CHUNK) -> None:
@@ -600,47 +611,51 @@ class StepsRecorder:
         self._runs: list[tuple[type, list[list[np.ndarray]]]] = []
         self._getter: Callable[[Any], tuple[Any, ...]] = tuple
         self._position: dict[str, int] = {}  # stats attribute path -> column index
-        self._cells: list[list[Any]] = []  # [column] pending values, the earlier steps
-        # [column] (position in _cells[column], steps) of each value standing for several steps
-        self._repeats: list[list[tuple[int, int]]] = []
-        self._rows: list[tuple[Any, ...]] = []  # pending full-width rows, the steps after _cells'
+        self._width = 0  # columns of the current run
+        self._rows: list[Sequence[Any]] = []  # pending rows, full width, in step order
+        self._counts: list[int] = []  # steps each pending row stands for
+        # Per column: the pending rows whose steps take their own values there, and those
+        # values (each such row's steps, in order, one after the other).
+        self._override_rows: list[list[int]] = []
+        self._override_values: list[list[Any]] = []
         self._num_pending = 0
 
     def add(self, timing: tuple[Any, ...], stats: Any) -> None:
         """Record one step: ``timing`` holds STEP_COLUMNS' values."""
         self._enter(type(stats))
         self._rows.append(timing + self._getter(stats))
+        self._counts.append(1)
         self._count(1)
 
     def add_covered(self, timing: tuple[Iterable[Any], ...], covered: CoveredSteps) -> None:
         """Record every step of a multi-step output: ``timing`` holds STEP_COLUMNS' values
-        as one iterable each. Covered steps take the template's value in each column, but
-        where ``covered.columns`` varies it."""
+        as one iterable each, ``len(covered)`` values long. Covered steps take the
+        template's value in each column, but where ``covered.columns`` varies it."""
         self._enter(type(covered.template))
         num = len(covered)
-        if num == 1 and not covered.columns:
+        values = self._getter(covered.template)
+        varying = covered.columns
+        if num == 1 and not varying:
             # One step that is its template (an admission step): the row ``add`` records.
-            self._rows.append(
-                tuple([next(iter(values)) for values in timing]) + self._getter(covered.template)
-            )
+            self._rows.append(tuple([next(iter(step_values)) for step_values in timing]) + values)
+            self._counts.append(1)
             self._count(1)
             return
-        cells = self._cells
-        _extend_columns(cells, self._rows)
-        self._rows = []
-        for index, values in enumerate(timing):
-            cells[index].extend(values)
-        varying = {self._position[path]: values for path, values in covered.columns.items()}
-        repeats = self._repeats
-        for index, value in enumerate(self._getter(covered.template), start=len(STEP_COLUMNS)):
-            column = cells[index]
-            values = varying.get(index)
-            if values is not None:
-                column.extend(values)
-                continue
-            if num != 1:  # 0 steps: repeated 0 times
-                repeats[index].append((len(column), num))
-            column.append(value)
+        row = [_OVERRIDDEN] * len(STEP_COLUMNS)
+        row += values
+        at = len(self._rows)
+        override_rows, override_values = self._override_rows, self._override_values
+        for index, step_values in enumerate(timing):
+            override_rows[index].append(at)
+            override_values[index].extend(step_values)
+        position = self._position
+        for path, step_values in varying.items():
+            index = position[path]
+            row[index] = _OVERRIDDEN
+            override_rows[index].append(at)
+            override_values[index].extend(step_values)
+        self._rows.append(row)
+        self._counts.append(num)
         self._count(num)
 
     def frame(self) -> pd.DataFrame:
@@ -666,12 +681,12 @@ class StepsRecorder:
             return
         self._flush()
         columns, paths, getter = stats_layout(cls)
-        width = len(STEP_COLUMNS) + len(columns)
-        self._runs.append((cls, [[] for _ in range(width)]))
+        self._width = len(STEP_COLUMNS) + len(columns)
+        self._runs.append((cls, [[] for _ in range(self._width)]))
         self._getter = getter
         self._position = {path: index for index, path in enumerate(paths, start=len(STEP_COLUMNS))}
-        self._cells = [[] for _ in range(width)]
-        self._repeats = [[] for _ in range(width)]
+        self._override_rows = [[] for _ in range(self._width)]
+        self._override_values = [[] for _ in range(self._width)]
 
     def _count(self, num_steps: int) -> None:
         self._num_pending += num_steps
@@ -679,29 +694,44 @@ class StepsRecorder:
             self._flush()
 
     def _flush(self) -> None:
-        """Turn the pending values into one numpy chunk per column of the current run."""
+        """Turn the pending rows and overrides into one numpy chunk per column of the
+        current run."""
         if not self._num_pending:
             return
-        _extend_columns(self._cells, self._rows)
-        self._rows = []
-        for chunks, values, repeats in zip(self._runs[-1][1], self._cells, self._repeats):
+        counts = np.array(self._counts, dtype=np.int64)
+        repeated = len(self._counts) != self._num_pending  # some row stands for several steps
+        first_steps = np.cumsum(counts) - counts  # each row's first step in the chunk
+        steps_of: dict[tuple[int, ...], np.ndarray] = {}  # override rows -> their steps
+        columns = zip(*self._rows)  # transposed in C
+        for chunks, values, rows, overrides in zip(
+            self._runs[-1][1], columns, self._override_rows, self._override_values
+        ):
             column = np.array(values)
-            if repeats:
-                counts = np.ones(len(values), dtype=np.int64)
-                positions, lengths = zip(*repeats)
-                counts[list(positions)] = lengths
+            if repeated:
                 column = np.repeat(column, counts, axis=0)
+            if rows:
+                key = tuple(rows)  # columns overridden in the same rows share the steps
+                steps = steps_of.get(key)
+                if steps is None:
+                    steps = steps_of[key] = _steps_of_rows(first_steps, counts, np.array(rows))
+                given = np.array(overrides)
+                column = column.astype(np.result_type(column, given), copy=False)
+                column[steps] = given
             chunks.append(column)
-        self._cells = [[] for _ in self._cells]
-        self._repeats = [[] for _ in self._cells]
+        self._rows = []
+        self._counts = []
+        self._override_rows = [[] for _ in range(self._width)]
+        self._override_values = [[] for _ in range(self._width)]
         self._num_pending = 0
 
 
-def _extend_columns(cells: list[list[Any]], rows: list[tuple[Any, ...]]) -> None:
-    """Append ``rows`` (full-width tuples) to the column lists ``cells``, transposed in C."""
-    if rows:
-        for column, values in zip(cells, zip(*rows)):
-            column.extend(values)
+def _steps_of_rows(first_steps: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The steps of ``rows`` (ascending row indexes, int64), row after row, given each
+    row's first step and step count (int64 [rows]). Pure."""
+    row_counts = counts[rows]
+    # Per step of the rows: its row's first step, plus its place within the row.
+    within = np.arange(int(row_counts.sum())) - np.repeat(np.cumsum(row_counts) - row_counts, row_counts)
+    return np.repeat(first_steps[rows], row_counts) + within
 
 
 def _requests_frame(logs: Iterable[_RequestLog]) -> pd.DataFrame:

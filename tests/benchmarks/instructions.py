@@ -107,32 +107,15 @@ def parse_steps(stdout: str, num_replays: int) -> int:
     return steps[0]
 
 
-def _context_and_workload(workload: str, num_requests: int):
-    """The benchmarks' context and workload (sim_setup.py): ShareGPT-like traffic at 8K
-    context, or the first ``num_requests`` of the Mooncake conversation trace at 128K."""
-    from sim_setup import llama3_70b_fp8_on_h200, sharegpt_like
-
-    if workload == "sharegpt":
-        ctx = llama3_70b_fp8_on_h200()
-        return ctx, sharegpt_like(num_requests, ctx.spec.vocab_size, seed=0)
-    from kvbench.workloads.traces import load_trace
-
-    ctx = llama3_70b_fp8_on_h200(max_positions=131072)
-    trace = load_trace(
-        "mooncake_conversation", vocab_size=ctx.spec.vocab_size, seed=0, max_requests=num_requests
-    )
-    return ctx, trace
-
-
 def replay_in_process(workload: str, num_requests: int, prefix_cache: str) -> None:
     """The measured process: warm up, replay once uncounted, stop the garbage collector,
     then replay inside the counted call (``COUNTED_FUNCTION``), each replay on a fresh
     engine and printing its step count. Mutates ``__main__`` (binds the replay as
     ``_MEASURED_NAME``) and leaves the collector disabled. Raises RuntimeError when the
     counted replay failed (its traceback printed above)."""
-    from sim_setup import replay_all_answered, sharegpt_like, sim_engine
+    from sim_setup import benchmark_workload, replay_all_answered, sharegpt_like, sim_engine
 
-    ctx, requests = _context_and_workload(workload, num_requests)
+    ctx, requests = benchmark_workload(workload, num_requests)
     warmup = sharegpt_like(WARMUP_REQUESTS, ctx.spec.vocab_size, seed=1)
     replay_all_answered(sim_engine(ctx, prefix_cache=prefix_cache), warmup)
 

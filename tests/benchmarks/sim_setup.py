@@ -21,6 +21,7 @@ from kvbench.runner import RawRun, SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
 from kvbench.types import EngineContext, Workload
 from kvbench.workloads.synthetic import random_requests
+from kvbench.workloads.traces import load_trace
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 ENGINES: dict[str, type[PagedEngine] | type[SlabEngine]] = {"paged": PagedEngine, "slab": SlabEngine}
@@ -60,6 +61,23 @@ def sharegpt_like(num_requests: int, vocab_size: int, seed: int = 0) -> Workload
         vocab_size=vocab_size,
         seed=seed,
     )
+
+
+def benchmark_workload(workload: str, num_requests: int) -> tuple[EngineContext, Workload]:
+    """The context and workload the replay tools measure (``instructions.py``,
+    ``step_costs.py``): ``sharegpt`` (``sharegpt_like`` at 8K context) or ``mooncake``
+    (the first ``num_requests`` of the Mooncake conversation trace at 128K, every prompt
+    uncut). ValueError for another name."""
+    if workload == "sharegpt":
+        ctx = llama3_70b_fp8_on_h200()
+        return ctx, sharegpt_like(num_requests, ctx.spec.vocab_size, seed=0)
+    if workload == "mooncake":
+        ctx = llama3_70b_fp8_on_h200(max_positions=131072)
+        trace = load_trace(
+            "mooncake_conversation", vocab_size=ctx.spec.vocab_size, seed=0, max_requests=num_requests
+        )
+        return ctx, trace
+    raise ValueError(f"workload: 'sharegpt' or 'mooncake', got {workload!r}")
 
 
 def replay_all_answered(engine: PagedEngine | SlabEngine, workload: Workload) -> RawRun:
