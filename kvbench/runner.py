@@ -578,9 +578,12 @@ class _CoveredTokens:
 STEPS_CHUNK = 4096
 
 # What a row holds in a cell whose steps take other values (a covered output's timing and
-# varying columns, which are numeric): a bool, the kind every numeric kind absorbs, so the
-# cell adds nothing to its column's dtype (see StepsRecorder).
+# varying columns): a bool, the kind int64 and float64 absorb, so the cell adds nothing to
+# its column's dtype (see StepsRecorder).
 _OVERRIDDEN = False
+# The dtypes np.array gives Python bools, ints and floats: of these, np.result_type of two
+# parts is the dtype np.array gives their values together.
+_PROMOTING = (np.dtype(bool), np.dtype(np.int64), np.dtype(np.float64))
 
 
 class StepsRecorder:
@@ -602,8 +605,9 @@ class StepsRecorder:
     override lists. One output then costs a row and a few list extends, not a Python
     pass over the ~40 columns; a chunk is built column by column in numpy: the rows'
     values repeated by their counts, the overrides written over their steps, in the dtype
-    ``np.result_type`` of the two (an ``_OVERRIDDEN`` cell adds nothing to it). Mutates
-    itself.
+    ``np.result_type`` of the two (an ``_OVERRIDDEN`` cell adds nothing to it) where both
+    are what Python bools, ints and floats give (``_PROMOTING``), else through the
+    values as objects in step order. Mutates itself.
     """
 
     def __init__(self, chunk_steps: int = STEPS_CHUNK) -> None:
@@ -715,8 +719,18 @@ class StepsRecorder:
                 if steps is None:
                     steps = steps_of[key] = _steps_of_rows(first_steps, counts, np.array(rows))
                 given = np.array(overrides)
-                column = column.astype(np.result_type(column, given), copy=False)
-                column[steps] = given
+                if column.dtype in _PROMOTING and given.dtype in _PROMOTING:
+                    column = column.astype(np.result_type(column, given), copy=False)
+                    column[steps] = given
+                else:
+                    # Another kind (None, a string, a numpy scalar of another width, an int
+                    # past int64), where the dtype of the parts may not be the whole's: the
+                    # values in step order as objects, then the array np.array makes of them.
+                    exact = np.array(values, dtype=object)
+                    if repeated:
+                        exact = np.repeat(exact, counts)
+                    exact[steps] = np.array(overrides, dtype=object)
+                    column = np.array(exact.tolist())
             chunks.append(column)
         self._rows = []
         self._counts = []
