@@ -149,6 +149,56 @@ def test_steps_recorder_builds_the_frame_of_the_plain_definition(
     pd.testing.assert_frame_equal(recorder.frame(), reference_steps_frame(entries), check_exact=True)
 
 
+@pytest.mark.parametrize(
+    ("row_values", "step_values", "chunk_sizes"),
+    [
+        (["x"], ["ab", "cd"], (1, 2, 100)),  # strings
+        ([-1], [2**63, 1], (1, 2, 100)),  # an int past int64 next to a negative one
+        ([2**64], [1, 2], (1, 2, 100)),
+        ([1], [2**64, -1], (1, 2, 100)),
+        # In one chunk only: chunks are built apart and concatenated, which keeps the
+        # dtype of Python bools, ints and floats but not of these. A chunk of 0 and 0.5
+        # is float64, so beside a chunk holding None its 0 becomes 0.0; int8, uint8 and
+        # float16 chunks concatenate to float16 where their values together make float32.
+        ([None], [0, 0.5], (100,)),  # an object column
+        ([np.int8(1), np.uint8(2)], [np.float16(1.5), np.float16(2.5)], (100,)),  # numpy widths
+    ],
+)
+def test_steps_recorder_keeps_the_plain_dtype_of_other_kinds_of_values(
+    row_values: list[Any], step_values: list[Any], chunk_sizes: tuple[int, ...]
+) -> None:
+    """Values that are not Python bools, ints or floats (which no engine reports today)
+    still give the column np.array gives them in step order."""
+    kv = KVUsage(capacity_bytes=0, allocated_bytes=0, token_bytes=0)
+    entries: list[tuple[Any, Any]] = []
+    for step, value in enumerate(row_values):
+        entries.append(((step, 0.0, 0.0, 0.0, math.nan), StepStats(0, 0, 0, 0, 0, kv, fetch_recall=value)))
+    num = len(step_values)
+    first = len(row_values)
+    covered = CoveredSteps(
+        durations_s=(0.0,) * num,
+        template=StepStats(0, 0, 0, 0, 0, kv, fetch_recall=row_values[0]),
+        columns={"fetch_recall": step_values},
+        request_ids=("r",),
+        sample_indexes=(0,),
+        token_ids=(tuple(range(num)),),
+    )
+    entries.append(
+        ((range(first, first + num), [0.0] * num, [0.0] * num, [0.0] * num, [math.nan] * num), covered)
+    )
+    for chunk_steps in chunk_sizes:
+        recorder = StepsRecorder(chunk_steps)
+        for timing, item in entries:
+            if isinstance(item, CoveredSteps):
+                recorder.add_covered(timing, item)
+            else:
+                recorder.add(timing, item)
+        got, want = recorder.frame(), reference_steps_frame(entries)
+        pd.testing.assert_frame_equal(got, want, check_exact=True)
+        # An object column holds the values themselves (an int stays an int beside a float).
+        assert [type(v) for v in got["fetch_recall"]] == [type(v) for v in want["fetch_recall"]]
+
+
 def test_steps_recorder_without_steps_gives_an_empty_frame() -> None:
     assert StepsRecorder().frame().empty
 
