@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 from bench_modules import BENCHMARKS, load_benchmark_module
 
+from kvbench.types import CoveredSteps, KVUsage, StepOutput, StepStats
+
 sim_setup = load_benchmark_module("sim_setup")
 step_costs = load_benchmark_module("step_costs")
 
@@ -33,6 +35,61 @@ def test_the_fit_recovers_a_linear_cost_and_its_shares_add_up() -> None:
     assert fit.r_squared == pytest.approx(1.0)
     assert sum(fit.shares_ms.values()) == pytest.approx(fit.total_ms, rel=1e-9)
     assert fit.num_calls == 60 and fit.total_ms == pytest.approx(seconds.sum() * 1e3)
+    assert fit.mean_us == pytest.approx(seconds.mean() * 1e6)
+    assert fit.seqs_p10_p50_p90 == pytest.approx(tuple(np.percentile(seqs, [10, 50, 90])))
+    assert fit.mean_steps == pytest.approx(steps.mean())
+
+
+def _stats(num_running: int, num_prefill_tokens: int) -> StepStats:
+    kv = KVUsage(capacity_bytes=0, allocated_bytes=0, token_bytes=0)
+    return StepStats(num_running, 0, num_prefill_tokens + num_running, num_prefill_tokens, num_running, kv)
+
+
+def _covered(num_steps: int, num_seqs: int, stats: StepStats) -> CoveredSteps:
+    return CoveredSteps(
+        durations_s=(0.01,) * num_steps,
+        template=stats,
+        columns={},
+        request_ids=tuple(f"r{i}" for i in range(num_seqs)),
+        sample_indexes=(0,) * num_seqs,
+        token_ids=np.zeros((num_seqs, num_steps), dtype=np.int64),
+    )
+
+
+def test_calls_are_told_apart_by_what_the_engine_returned() -> None:
+    normal = StepOutput((), ("a",), (), (), _stats(7, 300), 0.02)
+    assert step_costs.classify(normal) == step_costs.Call("normal step", 1, 7)
+    run_stats = _stats(5, 0)
+    run = StepOutput((), (), (), (), run_stats, 0.09, _covered(9, 5, run_stats))
+    assert step_costs.classify(run) == step_costs.Call("decode run", 9, 5)
+    admitting_stats = _stats(6, 120)  # the batch's decodes next to a prompt's chunk
+    admitting = StepOutput((), ("b",), (), (), admitting_stats, 0.01, _covered(1, 5, admitting_stats))
+    assert step_costs.classify(admitting) == step_costs.Call("admitting step", 1, 5)
+    # A recomputed group admitted again: no first token time, but a prefill.
+    again = StepOutput((), (), (), (), admitting_stats, 0.01, _covered(1, 5, admitting_stats))
+    assert step_costs.classify(again).kind == "admitting step"
+
+
+def test_the_split_takes_each_call_at_its_fastest_and_the_replay_as_medians() -> None:
+    calls = [step_costs.Call("decode run", 3, 10), step_costs.Call("normal step", 1, 4)] * 3
+    replays = [
+        step_costs.Replay(calls, [300, 100, 200, 100, 100, 100], 2_000),
+        step_costs.Replay(calls, [100, 400, 200, 100, 100, 100], 3_000),
+        step_costs.Replay(calls, [200, 200, 200, 900, 100, 100], 4_000),
+    ]
+    costs = step_costs.split("sharegpt", 3, "none", replays)
+    by_kind = {fit.kind: fit for fit in costs.kinds}
+    # Fastest per call: runs 100, 200, 100; normal steps 100, 100, 100 (ns).
+    assert by_kind["decode run"].total_ms == pytest.approx(400e-6)
+    assert by_kind["normal step"].total_ms == pytest.approx(300e-6)
+    assert "admitting step" not in by_kind
+    assert costs.replay_ms_median == pytest.approx(3_000e-6)
+    assert costs.calls_ms_median == pytest.approx(1_000e-6)  # sums 900, 1000, 1700
+    assert costs.outside_ms_median == pytest.approx(2_000e-6)  # 1100, 2000, 2300
+    with pytest.raises(ValueError, match="different engine calls"):
+        step_costs.split("sharegpt", 3, "none", [replays[0], step_costs.Replay(calls[::-1], [1] * 6, 9)])
+    with pytest.raises(ValueError, match="no replay"):
+        step_costs.split("sharegpt", 3, "none", [])
 
 
 def test_with_noise_the_shares_still_add_up_to_the_measured_total() -> None:
@@ -82,9 +139,15 @@ def test_the_tool_splits_a_small_replay() -> None:
     assert "requests, prefix cache block_hash" in text
     assert costs["num_replays"] == 2 and costs["replay_ms_median"] > 0
     assert 0 <= costs["outside_ms_median"] < costs["replay_ms_median"]
+    assert costs["calls_ms_median"] + costs["outside_ms_median"] == pytest.approx(costs["replay_ms_median"])
     for fit in costs["kinds"]:
         assert sum(fit["shares_ms"].values()) == pytest.approx(fit["total_ms"], rel=1e-6)
-    assert sum(fit["total_ms"] for fit in costs["kinds"]) < costs["replay_ms_median"]
+    assert sum(fit["total_ms"] for fit in costs["kinds"]) <= costs["calls_ms_median"]
+
+
+def test_only_an_engine_that_hears_of_arrivals_is_timed() -> None:
+    with pytest.raises(TypeError, match="object does not hear of arrivals"):
+        step_costs.TimedEngine(object())  # type: ignore[arg-type]
 
 
 def test_the_tool_refuses_zero_replays() -> None:

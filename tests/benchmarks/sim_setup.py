@@ -19,7 +19,7 @@ from kvbench.engines.paged import PagedEngine
 from kvbench.engines.slab import SlabEngine
 from kvbench.runner import RawRun, SimClock, replay
 from kvbench.specs import HardwareSpec, ModelSpec
-from kvbench.types import EngineContext, Workload
+from kvbench.types import Engine, EngineContext, Workload
 from kvbench.workloads.synthetic import random_requests
 from kvbench.workloads.traces import load_trace
 
@@ -80,7 +80,7 @@ def benchmark_workload(workload: str, num_requests: int) -> tuple[EngineContext,
     raise ValueError(f"workload: 'sharegpt' or 'mooncake', got {workload!r}")
 
 
-def replay_all_answered(engine: PagedEngine | SlabEngine, workload: Workload) -> RawRun:
+def replay_all_answered(engine: Engine, workload: Workload) -> RawRun:
     """``replay`` on the simulated clock, keeping no token ids as ``kvbench run`` does;
     fails when a request went unanswered (neither finished nor rejected), which would make
     any per-request rate meaningless."""

@@ -24,9 +24,11 @@ one of three kinds, told apart by its StepOutput:
 The fits are least squares with an intercept, so each kind's shares (a coefficient times
 its regressor summed over the calls) add up to the kind's measured total. A coefficient
 that the data cannot tell apart from another (an admitting step's batch is the full
-engine in a saturated replay) is reported as fitted; read it with the spread of its
-regressor (``seqs_p10_p50_p90``). ``outside`` is each replay's time less its calls' (the
-runner's records, request bookkeeping, the frames), as the median over replays.
+engine in a saturated replay) is reported as fitted: read it with the spread of its
+regressor (``seqs_p10_p50_p90``), and the kind's measured ``mean_us`` per call beside
+it. The replay's own figures are medians over the replays: its time, its calls' time and
+the rest (``outside``: the runner's records, request bookkeeping, the frames). The kinds'
+totals, each call at its fastest, add up to less than the calls' median.
 
 CPU time on a shared machine moves between runs; the split moves far less than the
 totals. Use it to see which part of a replay a change can reach, not to compare two
@@ -46,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from kvbench.types import ArrivalAwareEngine, Engine, Request, StepOutput
+
 KINDS = ("decode run", "admitting step", "normal step")
 # The regressors of each kind's fit, after the intercept ("fixed").
 TERMS = {
@@ -57,8 +61,8 @@ TERMS = {
 
 @dataclass(frozen=True)
 class Call:
-    """One engine call: its kind, the model steps it covered and its batch (sequences of
-    a covered output, running sequences after a normal step)."""
+    """One engine call: its kind, the model steps it covered and its batch (the sequences
+    of a covered output; for a normal step, the running sequences its stats report)."""
 
     kind: str
     num_steps: int
@@ -72,6 +76,7 @@ class KindFit:
     kind: str
     num_calls: int
     total_ms: float
+    mean_us: float  # measured, per call
     coefficients_us: dict[str, float]  # "fixed" and the kind's TERMS
     shares_ms: dict[str, float]  # each term's part of total_ms
     r_squared: float
@@ -79,7 +84,7 @@ class KindFit:
     mean_steps: float
 
 
-def classify(output: Any) -> Call:
+def classify(output: StepOutput) -> Call:
     """The kind, steps and batch of one engine ``StepOutput``. Pure."""
     covered = output.covered_steps
     if covered is None:
@@ -109,6 +114,7 @@ def fit_kind(kind: str, calls: list[Call], seconds: np.ndarray) -> KindFit:
         kind=kind,
         num_calls=len(calls),
         total_ms=float(seconds.sum() * 1e3),
+        mean_us=float(seconds.mean() * 1e6),
         coefficients_us={name: float(value * 1e6) for name, value in zip(names, coefficients)},
         shares_ms={name: float(value * 1e3) for name, value in zip(names, shares)},
         r_squared=float(1 - (residual**2).sum() / spread) if spread > 0 else float("nan"),
@@ -118,19 +124,24 @@ def fit_kind(kind: str, calls: list[Call], seconds: np.ndarray) -> KindFit:
 
 
 class TimedEngine:
-    """An engine that times each ``step`` of the one it wraps (thread CPU time, ns) and
-    records its ``Call``; everything else is the wrapped engine's. Mutates its records."""
+    """A simulated engine (one that hears of arrivals: ``ArrivalAwareEngine``) that times
+    each ``step`` of the engine it wraps (thread CPU time, ns) and records its ``Call``;
+    the other Engine calls go straight to the wrapped engine. Mutates its records.
+    TypeError for an engine that does not hear of arrivals (the runner would call this
+    one's ``set_next_arrival_s`` all the same)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
+        if not isinstance(engine, ArrivalAwareEngine):
+            raise TypeError(f"TimedEngine: {type(engine).__name__} does not hear of arrivals")
         self._engine = engine
         self.name = engine.name
         self.calls: list[Call] = []
         self.cpu_ns: list[int] = []
 
-    def add_request(self, request: Any) -> None:
+    def add_request(self, request: Request) -> None:
         self._engine.add_request(request)
 
-    def unsupported_reason(self, request: Any) -> str | None:
+    def unsupported_reason(self, request: Request) -> str | None:
         return self._engine.unsupported_reason(request)
 
     def has_unfinished(self) -> bool:
@@ -142,7 +153,7 @@ class TimedEngine:
     def set_next_arrival_s(self, now_s: float, next_arrival_s: float) -> None:
         self._engine.set_next_arrival_s(now_s, next_arrival_s)
 
-    def step(self) -> Any:
+    def step(self) -> StepOutput:
         start = time.thread_time_ns()
         output = self._engine.step()
         self.cpu_ns.append(time.thread_time_ns() - start)
@@ -151,70 +162,91 @@ class TimedEngine:
 
 
 @dataclass(frozen=True)
+class Replay:
+    """One timed replay: its calls, each call's CPU time (ns) and the whole replay's (ns)."""
+
+    calls: list[Call]
+    cpu_ns: list[int]
+    replay_ns: int
+
+
+@dataclass(frozen=True)
 class StepCosts:
-    """A workload's split: per kind, and the time outside the engine's calls."""
+    """A workload's split: per kind, and the replay's medians."""
 
     workload: str
     num_requests: int
     prefix_cache: str
     num_replays: int
     replay_ms_median: float
+    calls_ms_median: float
     outside_ms_median: float
     kinds: tuple[KindFit, ...]
 
 
+def split(workload: str, num_requests: int, prefix_cache: str, replays: list[Replay]) -> StepCosts:
+    """The split of ``replays`` of one workload: each call at its fastest over the replays,
+    fitted per kind; the replay, its calls and the rest as medians. Pure; ValueError when
+    there is no replay or two took different calls."""
+    if not replays:
+        raise ValueError("split: no replay")
+    calls = replays[0].calls
+    for other in replays[1:]:
+        if other.calls != calls:
+            raise ValueError("two replays took different engine calls: the simulation is not deterministic")
+    fastest = np.min(np.array([r.cpu_ns for r in replays], dtype=np.float64), axis=0) * 1e-9  # s per call
+    kinds = []
+    for kind in KINDS:
+        at = [i for i, call in enumerate(calls) if call.kind == kind]
+        if at:
+            kinds.append(fit_kind(kind, [calls[i] for i in at], fastest[at]))
+    calls_ns = [sum(r.cpu_ns) for r in replays]
+    return StepCosts(
+        workload=workload,
+        num_requests=num_requests,
+        prefix_cache=prefix_cache,
+        num_replays=len(replays),
+        replay_ms_median=statistics.median(r.replay_ns for r in replays) * 1e-6,
+        calls_ms_median=statistics.median(calls_ns) * 1e-6,
+        outside_ms_median=statistics.median(r.replay_ns - c for r, c in zip(replays, calls_ns)) * 1e-6,
+        kinds=tuple(kinds),
+    )
+
+
 def measure(workload: str, num_requests: int, prefix_cache: str, num_replays: int) -> StepCosts:
-    """Replay the workload ``num_replays`` times (after one untimed replay) and split it.
-    Raises ValueError when two replays took different calls."""
+    """Replay the workload ``num_replays`` times (after one untimed replay), each on a
+    fresh engine, and split it. ValueError for fewer than one replay or when two replays
+    took different calls."""
     from sim_setup import benchmark_workload, replay_all_answered, sim_engine
 
     if num_replays < 1:
         raise ValueError(f"--replays: must be >= 1, got {num_replays}")
     ctx, requests = benchmark_workload(workload, num_requests)
     replay_all_answered(sim_engine(ctx, prefix_cache=prefix_cache), requests)
-    calls: list[Call] | None = None
-    per_call: list[list[int]] = []
-    replay_ns: list[int] = []
+    replays = []
     for _ in range(num_replays):
         engine = TimedEngine(sim_engine(ctx, prefix_cache=prefix_cache))
         start = time.thread_time_ns()
         replay_all_answered(engine, requests)
-        replay_ns.append(time.thread_time_ns() - start)
-        if calls is not None and engine.calls != calls:
-            raise ValueError("two replays took different engine calls: the simulation is not deterministic")
-        calls = engine.calls
-        per_call.append(engine.cpu_ns)
-    assert calls is not None
-    fastest = np.min(np.array(per_call, dtype=np.float64), axis=0) * 1e-9  # s per call
-    outside = [total - sum(ns) for total, ns in zip(replay_ns, per_call)]
-    kinds = []
-    for kind in KINDS:
-        at = [i for i, call in enumerate(calls) if call.kind == kind]
-        if at:
-            kinds.append(fit_kind(kind, [calls[i] for i in at], fastest[at]))
-    return StepCosts(
-        workload=workload,
-        num_requests=num_requests,
-        prefix_cache=prefix_cache,
-        num_replays=num_replays,
-        replay_ms_median=statistics.median(replay_ns) * 1e-6,
-        outside_ms_median=statistics.median(outside) * 1e-6,
-        kinds=tuple(kinds),
-    )
+        replays.append(Replay(engine.calls, engine.cpu_ns, time.thread_time_ns() - start))
+    return split(workload, num_requests, prefix_cache, replays)
 
 
 def report(costs: StepCosts) -> str:
-    """The split as text: one line per kind, then each term's coefficient and share."""
+    """The split as text: the replay's medians, one line per kind, then each term's
+    coefficient and share."""
+    fastest_ms = sum(fit.total_ms for fit in costs.kinds)
     lines = [
         f"{costs.workload}, {costs.num_requests} requests, prefix cache {costs.prefix_cache}: "
-        f"replay {costs.replay_ms_median:.0f} ms of thread CPU (median of {costs.num_replays}), "
-        f"outside the engine's calls {costs.outside_ms_median:.0f} ms",
+        f"replay {costs.replay_ms_median:.0f} ms of thread CPU, the engine's calls "
+        f"{costs.calls_ms_median:.0f} ms, outside them {costs.outside_ms_median:.0f} ms "
+        f"(medians of {costs.num_replays}); each call at its fastest, {fastest_ms:.0f} ms:",
     ]
     for fit in costs.kinds:
         p10, p50, p90 = fit.seqs_p10_p50_p90
         lines.append(
-            f"  {fit.kind}: {fit.num_calls} calls, {fit.total_ms:.1f} ms (fastest per call), "
-            f"R^2 {fit.r_squared:.2f}, seqs p10/p50/p90 {p10:.0f}/{p50:.0f}/{p90:.0f}, "
+            f"  {fit.kind}: {fit.num_calls} calls, {fit.total_ms:.1f} ms, {fit.mean_us:.0f} us "
+            f"a call, R^2 {fit.r_squared:.2f}, seqs p10/p50/p90 {p10:.0f}/{p50:.0f}/{p90:.0f}, "
             f"steps {fit.mean_steps:.1f} on average"
         )
         for name, us in fit.coefficients_us.items():
