@@ -90,6 +90,18 @@ def reference_steps_frame(entries: list[tuple[Any, Any]]) -> pd.DataFrame:
     return frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
 
 
+def recorded_steps_frame(entries: list[tuple[Any, Any]], chunk_steps: int) -> pd.DataFrame:
+    """The steps frame ``StepsRecorder`` builds of ``entries`` (as ``reference_steps_frame``
+    takes them) with chunks of ``chunk_steps`` steps."""
+    recorder = StepsRecorder(chunk_steps)
+    for timing, item in entries:
+        if isinstance(item, CoveredSteps):
+            recorder.add_covered(timing, item)
+        else:
+            recorder.add(timing, item)
+    return recorder.frame()
+
+
 # Values of mixed kinds in one column: ints, floats (NaN too) and bools promote as one array.
 scalar = st.one_of(
     st.integers(-(2**40), 2**40),
@@ -140,13 +152,9 @@ def step_entries(draw: st.DrawFn) -> list[tuple[Any, Any]]:
 def test_steps_recorder_builds_the_frame_of_the_plain_definition(
     entries: list[tuple[Any, Any]], chunk_steps: int
 ) -> None:
-    recorder = StepsRecorder(chunk_steps)
-    for timing, item in entries:
-        if isinstance(item, CoveredSteps):
-            recorder.add_covered(timing, item)
-        else:
-            recorder.add(timing, item)
-    pd.testing.assert_frame_equal(recorder.frame(), reference_steps_frame(entries), check_exact=True)
+    pd.testing.assert_frame_equal(
+        recorded_steps_frame(entries, chunk_steps), reference_steps_frame(entries), check_exact=True
+    )
 
 
 @pytest.mark.parametrize(
@@ -187,13 +195,7 @@ def test_steps_recorder_keeps_the_plain_dtype_of_other_kinds_of_values(
         ((range(first, first + num), [0.0] * num, [0.0] * num, [0.0] * num, [math.nan] * num), covered)
     )
     for chunk_steps in chunk_sizes:
-        recorder = StepsRecorder(chunk_steps)
-        for timing, item in entries:
-            if isinstance(item, CoveredSteps):
-                recorder.add_covered(timing, item)
-            else:
-                recorder.add(timing, item)
-        got, want = recorder.frame(), reference_steps_frame(entries)
+        got, want = recorded_steps_frame(entries, chunk_steps), reference_steps_frame(entries)
         pd.testing.assert_frame_equal(got, want, check_exact=True)
         # An object column holds the values themselves (an int stays an int beside a float).
         assert [type(v) for v in got["fetch_recall"]] == [type(v) for v in want["fetch_recall"]]
