@@ -1,7 +1,7 @@
 """``commit_many``: one step's commits together, against committing one entry at a time.
 
 The block-hash index keys and registers a step's decode commits in one compiled call
-(``native.allocate_steps_registering``); everything it leaves behind must equal what separate
+(``native.register_entries``); everything it leaves behind must equal what separate
 ``commit`` calls leave (the pool, the registrations and each sequence's registered count
 and last key; not the token ids' key chains, which a batch leaves behind: see
 ``BlockKeyChain``), including which of two equal keys wins, chains keyed from the salt, a
@@ -216,37 +216,42 @@ def test_packed_rows_fill_reuse_and_grow_their_buffer():
 
 
 def test_registering_more_entries_than_rows_raises_changing_nothing():
-    """``native.allocate_steps_registering`` reads the first ``num_entries`` rows of the
-    buffer it is given: a count past its rows (or a negative one) raises ValueError
-    before anything changes."""
+    """``native.allocate_steps_registering`` and ``native.register_entries`` read the first
+    ``num_entries`` rows of the buffer they are given: a count past its rows (or a
+    negative one) raises ValueError before anything changes."""
     m, _ = _decoding_index(1)
     index, pool = m.prefix_index, m.pool
     before = (pool.state.tobytes(), pool.counts.tobytes(), index._keys.tobytes(), index._last_keys.tobytes())
     rows = np.zeros((1, 4 + BS), dtype=np.int64)
-    for num_entries in (2, -1):
-        with pytest.raises(ValueError, match="num_entries"):
-            native.allocate_steps_registering(
-                pool.state,
-                pool.counts,
-                np.zeros(1, dtype=np.int64),
-                *native.step_buffers(0, 1),
-                index._keys,
-                index._vals,
-                index._used,
-                index._block_hash,
-                index._block_check,
-                index._multipliers,
-                rows,
-                num_entries,
-                index._last_keys,
+    table = (index._keys, index._vals, index._used)
+    keys = (index._block_hash, index._block_check, index._multipliers)
+    calls = {
+        "allocate_steps_registering": lambda num_entries: native.allocate_steps_registering(
+            pool.state,
+            pool.counts,
+            np.zeros(1, dtype=np.int64),
+            *native.step_buffers(0, 1),
+            *table,
+            *keys,
+            rows,
+            num_entries,
+            index._last_keys,
+        ),
+        "register_entries": lambda num_entries: native.register_entries(
+            *table, pool.state, pool.counts, *keys, rows, num_entries, index._last_keys
+        ),
+    }
+    for name, call in calls.items():
+        for num_entries in (2, -1):
+            with pytest.raises(ValueError, match=f"{name}: num_entries"):
+                call(num_entries)
+            after = (
+                pool.state.tobytes(),
+                pool.counts.tobytes(),
+                index._keys.tobytes(),
+                index._last_keys.tobytes(),
             )
-        after = (
-            pool.state.tobytes(),
-            pool.counts.tobytes(),
-            index._keys.tobytes(),
-            index._last_keys.tobytes(),
-        )
-        assert after == before
+            assert after == before
 
 
 def test_index_commit_many_commits_the_entries_before_an_unknown_seq():

@@ -207,6 +207,32 @@ def test_swap_moves_only_sole_owned_blocks_and_back():
     assert m.usage().host_bytes == 0
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_append_decodes_copies_in_order_and_stops_before_a_sequence_without_room(fast):
+    """One slot per sequence in order, as ``append`` one by one: a fork's siblings write
+    their shared partial block in place (the first) and by copy (the second); a batch
+    stops before the first sequence that has no block left, which stays as it was, with
+    the count of those appended; an unknown one raises KeyError after those before it."""
+    m = make(index=NullPrefixIndex(), num_blocks=5, fast_appends=fast)
+    prefill(m, 0, [1, 2, 3, 4, 5, 6])  # blocks 0 and 1, two slots of 1 claimed
+    m.fork(0, 1)
+    prefill(m, 2, [7, 8, 9, 10])  # block 2, full
+    assert m.append_decodes([0, 1, 2]) == (3, [KVOps(copies=((1, 3),))])
+    assert (m.block_table(0), m.block_table(1), m.block_table(2)) == ([0, 1], [0, 3], [2, 4])
+    assert [m.num_tokens(s) for s in (0, 1, 2)] == [7, 7, 5]
+    m.check()
+    m.append(0, 1)  # seq 0's table is full now, and no block is free
+    assert m.pool.num_free == 0
+    assert m.append_decodes([2, 0, 1]) == (1, [])
+    assert [m.num_tokens(s) for s in (0, 1, 2)] == [8, 7, 6]
+    assert not m.can_append(0, 1)
+    m.check()
+    with pytest.raises(KeyError, match="unknown seq 9"):
+        m.append_decodes([2, 9])
+    assert m.num_tokens(2) == 7
+    m.check()
+
+
 def test_capacity_errors_and_misuse():
     m = make(num_blocks=2)
     assert not m.can_allocate(0, list(range(9)), 9, None)
@@ -419,7 +445,7 @@ def test_random_operations_keep_invariants_and_contents(index_name):
 
 # One operation of the append differential: (kind, which sequence, how many / which stem).
 _append_op_st = st.tuples(
-    st.sampled_from(["allocate", "append", "append", "append", "commit", "fork", "free", "swap"]),
+    st.sampled_from(["allocate", "append", "append", "decodes", "decodes", "commit", "fork", "free", "swap"]),
     st.integers(0, 7),
     st.integers(0, 9),
 )
@@ -429,14 +455,16 @@ _append_op_st = st.tuples(
 @given(ops=st.lists(_append_op_st, min_size=30, max_size=80), num_blocks=st.integers(3, 8))
 @settings(max_examples=60, deadline=None)
 def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
-    """``append`` and ``can_append`` with their fast paths (``fast_appends``: a claim in the
-    partial last block, one fresh block for a full table) leave what the general path
-    leaves: the same answers, KV ops and errors, block tables, per-block claims and
-    sequence references, the pool's state and counters (its free list's order included),
-    usage and evictions, op by op. Small pools run out, so the fresh-block path meets an
-    empty free list (cached-free and, with radix, reclaimable blocks); forks make claims
-    the partial-block path must copy around; appends of 0 slots and to swapped sequences
-    must fail or pass as the general path does. The exact cases are pinned below."""
+    """``append_decodes`` and ``can_append`` with their fast paths (``fast_appends``: a
+    claim in the partial last block, one fresh block for a full table) leave what the
+    general path (``append`` per sequence) leaves: the same answers, counts, KV ops and
+    errors, block tables, per-block claims and sequence references, the pool's state and
+    counters (its free list's order included), usage and evictions, op by op. Small pools
+    run out, so the fresh-block path meets an empty free list (cached-free and, with
+    radix, reclaimable blocks) and a batch stops where a sequence has no room; forks make
+    claims the partial-block path must copy around; appends of 0 slots and to swapped
+    sequences must fail or pass as the general path does, a batch's sequences before a
+    swapped one appended. The exact cases are pinned below."""
 
     fast, plain = (
         make(INDEXES[index_name](), num_blocks, num_host_blocks=4, bytes_per_token=2, fast_appends=fast)
@@ -474,6 +502,11 @@ def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
             assert (outcome == "ok") == (fits is True), (fits, outcome)  # can_append is append's answer
             if outcome == "ok":
                 tokens[seq] += [1 + (n + i) % 3 for i in range(grow)]
+        elif kind == "decodes":
+            batch = [live[(which + k) % len(live)] for k in range(1 + n % 3)]
+            both("append_decodes", batch)
+            for s in set(batch):  # the tokens of the slots each gained (a seq may repeat)
+                tokens[s] += [1 + (n + i) % 3 for i in range(fast.num_tokens(s) - len(tokens[s]))]
         elif kind == "commit" and not fast.is_swapped(seq):
             both("commit", seq, tokens[seq][: fast.num_tokens(seq)])
         elif kind == "fork" and not fast.is_swapped(seq):
@@ -517,8 +550,9 @@ def test_a_crossing_append_takes_a_cached_block_as_the_general_path_does(index_n
         prefill(m, 1, [8] * BS)  # takes the last block that holds nothing
         assert m.pool.num_free == (2 if index_name == "hash" else 0)
         evicted = m.num_evicted_blocks
-        ops = m.append(0, 1)
+        ops = m.append_decodes([0])
         m.check()
+        assert ops == (1, [])
         assert m.block_table(0)[-1] in cached
         assert m.num_evicted_blocks > evicted  # hash: the popped block's registration
         return ops, _decode_state(m, [0, 1]), m.pool.state.tolist(), m._claimed.tolist()
@@ -527,7 +561,8 @@ def test_a_crossing_append_takes_a_cached_block_as_the_general_path_does(index_n
 
 
 def test_append_of_no_slots_at_a_block_boundary_and_to_a_swapped_sequence():
-    """Both paths: 0 slots change nothing; a swapped-out sequence cannot grow."""
+    """Both paths: 0 slots change nothing; a swapped-out sequence cannot grow, alone or in
+    a decode batch."""
     for fast in (True, False):
         m = make(NullPrefixIndex(), num_blocks=4, num_host_blocks=4, fast_appends=fast)
         prefill(m, 0, [7] * BS)
@@ -538,6 +573,8 @@ def test_append_of_no_slots_at_a_block_boundary_and_to_a_swapped_sequence():
         m.swap_out(0)
         with pytest.raises(ValueError, match="seq 0 is swapped out"):
             m.append(0, 1)
+        with pytest.raises(ValueError, match="seq 0 is swapped out"):
+            m.append_decodes([0])
         m.check()
 
 

@@ -274,21 +274,28 @@ def test_a_prompts_last_token_registers_on_schedule_the_same() -> None:
 
 
 class CountingKV(PagedKVManager):
-    """A paged manager counting ``can_append`` calls (the plain path asks before each append)."""
+    """A paged manager recording how many sequences each ``append_decodes`` call names and
+    counting ``can_append`` calls."""
 
     def __init__(self, num_blocks: int, block_size: int, bytes_per_token: int) -> None:
         super().__init__(num_blocks, block_size, bytes_per_token, NullPrefixIndex())
+        self.batches: list[int] = []
         self.num_can_append = 0
+
+    def append_decodes(self, seq_ids):
+        self.batches.append(len(seq_ids))
+        return super().append_decodes(seq_ids)
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
         self.num_can_append += 1
         return super().can_append(seq_id, num_new_tokens)
 
 
-@pytest.mark.parametrize(("fast", "expected_asks"), [(True, 0), (False, 4)])
-def test_the_fast_path_is_the_one_that_runs(fast: bool, expected_asks: int) -> None:
-    # A plain decode step of four sequences: the fast path appends directly (a full
-    # pool raises, per the KV contract), the plain path asks can_append first.
+@pytest.mark.parametrize(("fast", "expected_batches"), [(True, [4]), (False, [1, 1, 1, 1])])
+def test_the_fast_path_is_the_one_that_runs(fast: bool, expected_batches: list[int]) -> None:
+    # A plain decode step of four sequences: the fast path reserves their slots in one
+    # append_decodes call, the plain path one call per group; neither asks can_append
+    # first (append_decodes stops where a sequence has no room, per the KV contract).
     engine, shadow = _engine(
         fast, "shadow", False, block_size=4, num_blocks=32, kv_manager_factory=CountingKV
     )
@@ -298,7 +305,9 @@ def test_the_fast_path_is_the_one_that_runs(fast: bool, expected_asks: int) -> N
     engine.step()  # the first decode step
     kv = engine.kv
     assert isinstance(kv, CountingKV)
+    kv.batches.clear()
     kv.num_can_append = 0
     engine.step()
     assert all(chunk[5] for chunk in shadow.plans[-1][0]) and len(shadow.plans[-1][0]) == 4
-    assert kv.num_can_append == expected_asks
+    assert kv.batches == expected_batches
+    assert kv.num_can_append == 0

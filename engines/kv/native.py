@@ -389,7 +389,7 @@ def allocate_steps_registering(
     ids (one array: each argument costs a type check per call and each conversion a
     numpy call, and the decode path calls this once per step or span).
     After step ``t``'s blocks are taken, entries ``e`` of step ``t`` (steps ascending) are
-    keyed and registered in order (``commit_many`` is one step with no blocks taken).
+    keyed and registered in order (``register_entries``: one step that takes none).
     Entry ``e`` keys its block, block ``position`` of its sequence, from ``entries[e,
     4:]`` as ``kvbench.hashing.chained_block_keys_into`` keys it, chained from
     its ``row`` of ``lanes`` (uint64 [rows, 2]: each sequence's last key, one row per
@@ -414,24 +414,11 @@ def allocate_steps_registering(
         reused_per_step[t] = n
         at += needs[t]
         k += n
-        first = e
-        while e < num_entries and entries[e, 0] == t:
-            # Keying reads only the tokens and lanes, never the table: a step's entries
-            # are keyed first, then registered in order.
-            row = entries[e, 1]
-            chained_block_keys_into(
-                entries[e, 4:],
-                multipliers,
-                entries[e, 2],
-                lanes[row],
-                entry_keys[0, e : e + 1],
-                entry_keys[1, e : e + 1],
-            )
-            lanes[row, 0] = entry_keys[0, e]
-            lanes[row, 1] = entry_keys[1, e]
-            e += 1
-        if e > first:
-            registered += register_run(
+        stop = e
+        while stop < num_entries and entries[stop, 0] == t:
+            stop += 1
+        if stop > e:
+            registered += _key_and_register(
                 keys,
                 vals,
                 used,
@@ -439,12 +426,97 @@ def allocate_steps_registering(
                 counts,
                 block_hash,
                 block_check,
-                entry_keys[0],
-                entry_keys[1],
-                blocks[first:e],
-                first,
+                multipliers,
+                entries,
+                e,
+                stop,
+                lanes,
+                entry_keys,
+                blocks,
             )
+            e = stop
     return k, registered
+
+
+@njit(cache=True, nogil=True)
+def register_entries(
+    keys, vals, used, st, counts, block_hash, block_check, multipliers, entries, num_entries, lanes
+):  # pragma: no cover - compiled
+    """``allocate_steps_registering`` for one step that takes no blocks (a commit's decode
+    registrations): the first ``num_entries`` rows of ``entries`` keyed and registered in
+    order, whatever their step column says. Four arguments and the step buffers fewer:
+    a commit of one or two blocks paid as much for those as for its work. Returns how
+    many blocks were registered. Raises ValueError, changing nothing, when
+    ``num_entries`` lies outside ``[0, entries.shape[0]]``."""
+    if not 0 <= num_entries <= entries.shape[0]:
+        raise ValueError("register_entries: num_entries out of the entries' rows")
+    entry_keys = np.empty((2, num_entries), dtype=np.uint64)
+    blocks = np.ascontiguousarray(entries[:num_entries, 3])
+    return _key_and_register(
+        keys,
+        vals,
+        used,
+        st,
+        counts,
+        block_hash,
+        block_check,
+        multipliers,
+        entries,
+        0,
+        num_entries,
+        lanes,
+        entry_keys,
+        blocks,
+    )
+
+
+@njit(cache=True, nogil=True)
+def _key_and_register(
+    keys,
+    vals,
+    used,
+    st,
+    counts,
+    block_hash,
+    block_check,
+    multipliers,
+    entries,
+    first,
+    stop,
+    lanes,
+    entry_keys,
+    blocks,
+):  # pragma: no cover - compiled
+    """Key entries ``first`` to ``stop - 1`` (one step's) in order into ``entry_keys``
+    (uint64 [2, entries]), each chained from its row of ``lanes``, which then holds its
+    key, then register their ``blocks`` by one ``register_run``. Keying reads only the
+    tokens and lanes, never the table: a step's entries are keyed first, then registered
+    in order. Returns how many blocks were registered."""
+    for e in range(first, stop):
+        row = entries[e, 1]
+        chained_block_keys_into(
+            entries[e, 4:],
+            multipliers,
+            entries[e, 2],
+            lanes[row],
+            entry_keys[0, e : e + 1],
+            entry_keys[1, e : e + 1],
+        )
+        lanes[row, 0] = entry_keys[0, e]
+        lanes[row, 1] = entry_keys[1, e]
+    return register_run(
+        keys,
+        vals,
+        used,
+        st,
+        counts,
+        block_hash,
+        block_check,
+        entry_keys[0],
+        entry_keys[1],
+        blocks[first:stop],
+        first,
+    )
 
 
 @njit(cache=True, nogil=True)

@@ -96,12 +96,13 @@ def check_sizes(
 
 class SeqTable:
     """Per-sequence bookkeeping shared by the KV managers: lookups that name the
-    sequence and the operation on misuse. Subclasses keep ``_seqs`` (seq id -> state with
-    ``block_ids``, ``num_tokens`` slots and ``host_blocks``, None while on the device)
-    and ``block_size``."""
+    sequence and the operation on misuse, and the plain ``append_decodes``. Subclasses
+    keep ``_seqs`` (seq id -> state with ``block_ids``, ``num_tokens`` slots and
+    ``host_blocks``, None while on the device) and ``block_size``, and define ``append``."""
 
     _seqs: dict[int, Any]
     block_size: int
+    append: Callable[[int, int], KVOps]  # the subclass's (KVManager.append)
 
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -138,6 +139,19 @@ class SeqTable:
         bs = self.block_size
         table = seq.block_ids
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def append_decodes(self, seq_ids: Sequence[int]) -> tuple[int, list[KVOps]]:
+        """See ``KVManager.append_decodes``: ``append(seq_id, 1)`` for each in turn (a
+        manager with a faster way overrides this)."""
+        ops: list[KVOps] = []
+        for num_done, seq_id in enumerate(seq_ids):
+            try:
+                new_ops = self.append(seq_id, 1)
+            except KVCapacityError:
+                return num_done, ops
+            if new_ops is not NO_OPS:
+                ops.append(new_ops)
+        return len(seq_ids), ops
 
     def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
         if seq_id in self._seqs:
@@ -203,9 +217,9 @@ class PagedKVManager(SeqTable):
         # (decode fast paths) cost half a numpy scalar access.
         self._seq_refs_at = memoryview(self._seq_refs)
         self._claimed_at = memoryview(self._claimed)
-        # Whether append and can_append take their fast paths (a claim in the partial last
-        # block, one fresh block for a full table) before the general path: the same
-        # outcomes; False only for the differential test (tests/test_kv_manager.py).
+        # Whether append_decodes and can_append take their fast paths (a claim in the
+        # partial last block, one fresh block for a full table) before the general path:
+        # the same outcomes; False only for the differential test (tests/test_kv_manager.py).
         self.fast_appends = True
         self._num_blocks_in_use = 0  # blocks with a sequence reference
         self._num_token_slots = 0  # sum of claimed slots over blocks in use
@@ -296,48 +310,66 @@ class PagedKVManager(SeqTable):
         need = self._num_blocks_needed(seq.num_tokens, seq.block_ids, num_new_tokens, held=True)
         return need <= self.num_allocatable_blocks
 
+    def append_decodes(self, seq_ids: Sequence[int]) -> tuple[int, list[KVOps]]:
+        """See ``KVManager.append_decodes``. The fast path (most decode steps), inline per
+        sequence because a call per sequence was most of its cost: the slot is claimed in
+        place in the partial last block when nobody else claimed it or the sequence holds
+        the block alone, or a full table (offset 0: ``check`` keeps ceil(num_tokens /
+        block_size) blocks per table) takes one fresh block while the free list has one, so
+        nothing is evicted and no check can fail (the pool pops the block
+        ``allocate_array(1)`` would, with the same listener call; the block, which no table
+        holds yet, gets its first sequence reference and one claimed slot: ``_grow``'s
+        counts for one block). Any other sequence (a copy ahead, an empty free list, a
+        swapped-out or unknown one) goes through ``append``. ``fast_appends=False`` sends
+        every one there (the differential test)."""
+        if not self.fast_appends:
+            return super().append_decodes(seq_ids)
+        seqs = self._seqs
+        bs = self.block_size
+        claimed_at = self._claimed_at
+        pool = self.pool
+        ops: list[KVOps] = []
+        num_slots = 0  # claimed slots to add to _num_token_slots, added before append reads it
+        for num_done, seq_id in enumerate(seq_ids):
+            seq = seqs.get(seq_id)
+            if seq is not None and seq.host_blocks is None:
+                offset = seq.num_tokens % bs
+                if offset:
+                    last = seq.block_ids[-1]
+                    claimed = claimed_at[last]
+                    if claimed <= offset or pool.is_exclusive(last):
+                        num_slots += offset + 1 - claimed  # a sole holder overwrites stale claims
+                        claimed_at[last] = offset + 1
+                        seq.num_tokens += 1
+                        continue
+                elif pool.num_free:
+                    block = pool.allocate()
+                    self._seq_refs_at[block] = 1
+                    claimed_at[block] = 1
+                    self._num_blocks_in_use += 1
+                    num_slots += 1
+                    seq.block_ids.append(block)
+                    seq.num_tokens += 1
+                    continue
+            self._num_token_slots += num_slots
+            num_slots = 0
+            try:
+                new_ops = self.append(seq_id, 1)
+            except KVCapacityError:
+                return num_done, ops
+            if new_ops is not NO_OPS:
+                ops.append(new_ops)
+        self._num_token_slots += num_slots
+        return len(seq_ids), ops
+
     def append(self, seq_id: int, num_new_tokens: int) -> KVOps:
         """Grow ``seq_id`` by ``num_new_tokens`` slots (a prefill chunk or a decode token),
         copying its partial last block first if another holder claimed the next slot.
+        The general path: ``append_decodes`` takes most decode tokens' slots faster.
 
         Mutates: the block table, references, the free list (may evict cached blocks).
         Raises KVCapacityError when ``can_append`` is False.
         """
-        seq = self._seqs.get(seq_id)
-        if self.fast_appends and seq is not None and seq.host_blocks is None and num_new_tokens > 0:
-            offset = seq.num_tokens % self.block_size
-            end = offset + num_new_tokens
-            if end <= self.block_size:
-                if offset:
-                    # As in can_append: claim the next slots of the partial last block in
-                    # place (what _grow does there, without its general checks). The
-                    # sequence holds the block, so its claimed slots count in
-                    # _num_token_slots.
-                    last = seq.block_ids[-1]
-                    claimed = self._claimed_at[last]
-                    if claimed <= offset or self.pool.is_exclusive(last):
-                        self._num_token_slots += end - claimed  # a sole holder overwrites stale claims
-                        self._claimed_at[last] = end
-                        seq.num_tokens += num_new_tokens
-                        return NO_OPS
-                elif self.pool.num_free:
-                    # A full table (check(): a table holds ceil(num_tokens / block_size)
-                    # blocks, so offset 0 means no partial block) gains one fresh block: a
-                    # decode step crossing into its next block. This is _grow's one-block
-                    # case while a block is free, so nothing is evicted and no check can
-                    # fail: the pool pops the block allocate_array(1) would, with the same
-                    # listener call, and the block, which no table holds yet, gets its
-                    # first sequence reference and the claimed slots (native.claim_fresh's
-                    # and _grow's counts for one block). Without a free block the general
-                    # path evicts or raises.
-                    block = self.pool.allocate()
-                    self._seq_refs_at[block] = 1
-                    self._claimed_at[block] = num_new_tokens
-                    self._num_blocks_in_use += 1
-                    self._num_token_slots += num_new_tokens
-                    seq.block_ids.append(block)
-                    seq.num_tokens += num_new_tokens
-                    return NO_OPS
         seq = self._resident(seq_id, "append")
         if num_new_tokens < 0:
             raise ValueError(f"append: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")

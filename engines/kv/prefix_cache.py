@@ -296,11 +296,11 @@ class _SeqHashState:
 
 
 class _StepRegistrations:
-    """Decode-block registrations gathered for ``native.allocate_steps_registering``: per
-    entry its step, its sequence's slot (its row of the index's last keys), its block's
-    position and id, then the block's ``block_size`` ids (``entries``, flat:
-    ``4 + block_size`` values an entry); per row (sequence, in first-seen order) its state
-    and entries so far."""
+    """Decode-block registrations gathered for ``native.allocate_steps_registering`` (or
+    ``native.register_entries``: one step taking no blocks): per entry its step, its
+    sequence's slot (its row of the index's last keys), its block's position and id, then
+    the block's ``block_size`` ids (``entries``, flat: ``4 + block_size`` values an
+    entry); per row (sequence, in first-seen order) its state and entries so far."""
 
     __slots__ = ("block_size", "rows", "states", "num_entries", "entries")
 
@@ -410,12 +410,6 @@ def _packed_rows(values: list[int], rows: np.ndarray, width: int) -> tuple[np.nd
 
 _FIRST_SLOTS = 16  # rows of a block-hash index's last-key table when it first grows
 _FIRST_ENTRY_ROWS = 64  # rows of a block-hash index's decode-registration buffer at first
-
-_NO_NEEDS = np.zeros(1, dtype=np.int64)  # one step taking no blocks: commit_many's batch
-# Its step buffers, shared by every call since nothing reads them: the two block arrays
-# are empty (nothing is written there) and the one count per step is scratch. Making
-# three arrays per call cost a third as much as the compiled call itself.
-_NO_TAKING = native.step_buffers(0, 1)
 
 
 class BlockHashPrefixIndex:
@@ -676,14 +670,14 @@ class BlockHashPrefixIndex:
                 break
             _, at = stop  # step 0: the only one
             if batch.rows:
-                self._register_in_steps(_NO_NEEDS, batch, _NO_TAKING)
+                self._register_in_steps(batch)
                 batch = _StepRegistrations(bs)
             seq_id, token_ids, num_tokens, block_ids, extra_key = entries[at]
             # A plain commit (KeyError naming an unknown seq; ValueError for a bad count).
             self.commit(seq_id, prefix_of(token_ids, num_tokens), block_ids, extra_key)
             at += 1
         if batch.rows:
-            self._register_in_steps(_NO_NEEDS, batch, _NO_TAKING)
+            self._register_in_steps(batch)
 
     def allocate_decode_steps(
         self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
@@ -707,49 +701,69 @@ class BlockHashPrefixIndex:
             step, at = stop
             self._seq(commits[step][at][0])  # only to raise, naming an unknown seq
             return None
-        return self._register_in_steps(needs, steps, native.step_buffers(num_blocks, len(needs)))
+        return self._register_in_steps(steps, needs, native.step_buffers(num_blocks, len(needs)))
 
     def _register_in_steps(
         self,
-        needs: np.ndarray,
         steps: _StepRegistrations,
-        buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
-    ) -> tuple[np.ndarray, np.ndarray]:
+        needs: np.ndarray | None = None,
+        buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
         """Take ``needs[t]`` blocks per step ``t`` (int64 [steps]) into ``buffers``
         (``native.step_buffers`` for them) and key and register ``steps``' entries after
         their steps, in one compiled pass (``native.allocate_steps_registering``), which
         writes each sequence's last key into its slot of ``_last_keys`` (the chains are
         left behind: see ``BlockKeyChain``); the states count the blocks, and the pool's
         reuse listener hears of the cached blocks taken. Returns
-        ``BlockPool.allocate_steps``' result. Mutates the pool, index, states and buffers."""
+        ``BlockPool.allocate_steps``' result. ``needs`` None: one step that takes no
+        blocks (a commit's; ``native.register_entries``), returning None. Mutates the
+        pool, index, states and buffers."""
         pool = self._bound_pool()
         # Packed first: a value that is no int64 raises here, changing nothing.
         self._entry_rows, num_rows = _packed_rows(steps.entries, self._entry_rows, self._entry_width)
         self._version += 1
-        taken, reused, reused_per_step = buffers
-        num_reused, registered = native.allocate_steps_registering(
-            pool.state,
-            pool.counts,
-            needs,
-            taken,
-            reused,
-            reused_per_step,
-            self._keys,
-            self._vals,
-            self._used,
-            self._block_hash,
-            self._block_check,
-            self._multipliers,
-            self._entry_rows,  # [capacity, 4 + bs], its first num_rows rows the entries
-            num_rows,
-            self._last_keys,  # each entry's slot chains from it, then holds the entry's key
-        )
-        self._num_registered += registered
+        if needs is None:
+            self._num_registered += native.register_entries(
+                self._keys,
+                self._vals,
+                self._used,
+                pool.state,
+                pool.counts,
+                self._block_hash,
+                self._block_check,
+                self._multipliers,
+                self._entry_rows,  # [capacity, 4 + bs], its first num_rows rows the entries
+                num_rows,
+                self._last_keys,  # each entry's slot chains from it, then holds the entry's key
+            )
+            result = None
+        else:
+            assert buffers is not None, "_register_in_steps: blocks to take need their buffers"
+            taken, reused, reused_per_step = buffers
+            num_reused, registered = native.allocate_steps_registering(
+                pool.state,
+                pool.counts,
+                needs,
+                taken,
+                reused,
+                reused_per_step,
+                self._keys,
+                self._vals,
+                self._used,
+                self._block_hash,
+                self._block_check,
+                self._multipliers,
+                self._entry_rows,
+                num_rows,
+                self._last_keys,
+            )
+            self._num_registered += registered
+            if num_reused:  # the drops, as the pool's allocations would have told
+                pool.tell_reused(reused[:num_reused])
+            result = taken, reused_per_step
         for state, num_entries in zip(steps.states, steps.num_entries):
             state.num_blocks += num_entries
-        if num_reused:  # the drops, as the pool's allocations would have told (none on a commit)
-            pool.tell_reused(reused[:num_reused])
-        return taken, reused_per_step
+        return result
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:

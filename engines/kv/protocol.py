@@ -169,6 +169,15 @@ class KVManager(Protocol):
         block). Mutates the pool; KVCapacityError when ``can_append`` is False."""
         ...
 
+    def append_decodes(self, seq_ids: Sequence[int]) -> tuple[int, list[KVOps]]:
+        """``append(seq_id, 1)`` for each of ``seq_ids`` in order (a step's decode tokens),
+        stopping before the first that raises KVCapacityError, which is left unchanged:
+        the caller makes room (``can_append``) and appends it itself. Returns how many were
+        appended and the KV ops ``append`` returned for them that are not ``NO_OPS``, in
+        order. Misuse (an unknown or swapped-out sequence) raises as ``append`` does, the
+        sequences before it appended. Mutates what ``append`` mutates."""
+        ...
+
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Register ``token_ids`` (every token whose KV is now written) with the prefix
         cache. Mutates the prefix cache only; ValueError for more tokens than slots."""

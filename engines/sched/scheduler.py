@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvbench.engines.kv.protocol import NO_OPS, KVCapacityError, StepCommit
+from kvbench.engines.kv.protocol import NO_OPS, StepCommit
 from kvbench.engines.kv.token_ids import TokenPrefix, TokenSpan, prefix_of
 from kvbench.engines.sched.sequence import GroupStatus, Sequence, SequenceGroup, num_samples
 from kvbench.records import frozen_record
@@ -402,47 +402,54 @@ class Scheduler:
                 index += 1
 
     def _plan_running(self) -> None:
-        """``_plan_running_plain`` with the common case inlined: a running group of one
-        attached sequence whose only uncomputed token is its newest (a decode token, or
-        the last token of a prompt) gets that token, exactly as ``_schedule_running``
-        would plan it; every other group goes through ``_schedule_running``.
+        """``_plan_running_plain`` with the common case batched: the running groups from
+        the next one on that are one attached sequence in decode state (its only
+        uncomputed token is its newest, an output token) get that token each, their slots
+        reserved by one ``append_decodes`` call (a KV-manager call per sequence was a
+        third of a decode step's scheduling); every other group goes through
+        ``_schedule_running``.
 
         Why it is the same plan: with one sequence and a positive budget, a beam group
         holds nothing back and fits its lockstep rule, so ``_schedule_running`` gives the
-        sequence 1 token. ``append`` raising KVCapacityError is ``can_append`` being False
-        (the KV-manager contract: it raises before changing anything), which is when
-        ``_schedule_running`` calls ``_make_room``. tests/test_sched_fast_decodes.py runs
-        both on the same workloads."""
+        sequence 1 token, a decode piece (``_register_scheduled`` registers nothing for
+        it). ``append_decodes`` stops before the first sequence whose ``append`` raises
+        KVCapacityError, which is ``can_append`` being False (the KV-manager contract),
+        when ``_schedule_running`` makes room: that group does so here too
+        (``_append_piece``), and batching resumes after it. Room is made by preempting
+        from the end of ``running``, never a group planned before.
+        tests/test_sched_fast_decodes.py runs both on the same workloads."""
         running = self.running
-        append = self.kv.append
         pieces = self._pieces  # _drop_pieces edits it in place
-        ops = self._ops
-        register = self._register_on_schedule
+        append_decodes = self.kv.append_decodes
         index = 0
         while index < len(running):
-            group = running[index]
-            seqs = group.seqs
-            if len(seqs) == 1 and self._budget > 0 and not group.num_detached:
+            batch = []  # the pieces of the decode groups from ``index`` on, within the budget
+            for group in running[index : index + self._budget]:
+                seqs = group.seqs
+                if len(seqs) != 1 or group.num_detached:
+                    break
                 seq = seqs[0]
                 start = seq.num_computed_tokens
-                if len(seq.token_ids) - start == 1:
-                    seq_id = seq.seq_id
-                    try:
-                        new_ops = append(seq_id, 1)
-                    except KVCapacityError:
-                        if not self._make_room(group, seq_id, 1):
-                            continue  # it preempted itself: the next group is at ``index`` now
-                        new_ops = append(seq_id, 1)
-                    if new_ops is not NO_OPS:
-                        ops.append(new_ops)
-                    pieces.append((group, seq, start, 1))
-                    self._budget -= 1
-                    if register:
-                        self._register_scheduled(group)
+                if len(seq.token_ids) - start != 1 or start < seq.num_prompt_tokens:
+                    break
+                batch.append((group, seq, start, 1))
+            if not batch:
+                if self._schedule_running(running[index]):
                     index += 1
-                    continue
-            if self._schedule_running(group):
-                index += 1
+                continue
+            num_done, ops = append_decodes([seq.seq_id for _, seq, _, _ in batch])
+            self._ops += ops
+            pieces += batch if num_done == len(batch) else batch[:num_done]
+            self._budget -= num_done
+            index += num_done
+            if num_done < len(batch):
+                piece = batch[num_done]
+                group, seq, _, _ = piece
+                if self._append_piece(group, seq.seq_id, 1):
+                    pieces.append(piece)
+                    self._budget -= 1
+                    index += 1
+                # else it preempted itself: the next group is at ``index`` now
 
     def _begin_plan(self) -> None:
         self._pieces = []
@@ -773,7 +780,6 @@ class Scheduler:
             hold_last = self._hold_last(group)
             if not hold_last and len(group.seqs) > self._budget:
                 return True  # lockstep decode needs one token per beam in the same step
-        kv = self.kv
         pieces = self._pieces
         for seq in group.seqs:
             if not hold_last and len(seq.token_ids) - seq.num_computed_tokens == 1:
@@ -782,18 +788,33 @@ class Scheduler:
                 num_tokens = self._num_tokens_to_run(group, seq, hold_last)
                 if num_tokens == 0:
                     continue
-            seq_id = seq.seq_id
-            if not kv.can_append(seq_id, num_tokens) and not self._make_room(group, seq_id, num_tokens):
+            if not self._append_piece(group, seq.seq_id, num_tokens):
                 return False
-            ops = kv.append(seq_id, num_tokens)
-            if ops is not NO_OPS:
-                self._ops.append(ops)
             pieces.append((group, seq, seq.num_computed_tokens, num_tokens))
             self._budget -= num_tokens
             if self._budget <= 0:
                 break
         if self._register_on_schedule:
             self._register_scheduled(group)
+        return True
+
+    def _append_piece(self, group: SequenceGroup, seq_id: int, num_tokens: int) -> bool:
+        """Reserve ``num_tokens`` more slots for ``seq_id`` of running ``group``, making
+        room (``_make_room``) when the KV manager has none; the KV ops go to the plan.
+        False when the group preempted itself (nothing reserved). A decode token goes
+        through ``append_decodes``, whose fast path most take. Mutates the KV manager, the
+        plan's ops and, making room, the queues."""
+        kv = self.kv
+        if num_tokens == 1:
+            num_done, ops = kv.append_decodes((seq_id,))
+            if num_done:
+                self._ops += ops
+                return True
+        if not kv.can_append(seq_id, num_tokens) and not self._make_room(group, seq_id, num_tokens):
+            return False
+        ops = kv.append(seq_id, num_tokens)
+        if ops is not NO_OPS:
+            self._ops.append(ops)
         return True
 
     def _make_room(self, group: SequenceGroup, seq_id: int, num_tokens: int) -> bool:
@@ -868,13 +889,8 @@ class Scheduler:
         num_tokens = self._chunk_len(point - leader.num_computed_tokens)
         if num_tokens == 0:
             return True
-        if not self.kv.can_append(leader.seq_id, num_tokens) and not self._make_room(
-            group, leader.seq_id, num_tokens
-        ):
+        if not self._append_piece(group, leader.seq_id, num_tokens):
             return False
-        ops = self.kv.append(leader.seq_id, num_tokens)
-        if ops is not NO_OPS:
-            self._ops.append(ops)
         self._add_piece(group, leader, leader.num_computed_tokens, num_tokens)
         if self._register_on_schedule:
             self._register_scheduled(group)
