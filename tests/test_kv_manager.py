@@ -455,9 +455,9 @@ _append_op_st = st.tuples(
 @given(ops=st.lists(_append_op_st, min_size=30, max_size=80), num_blocks=st.integers(3, 8))
 @settings(max_examples=60, deadline=None)
 def test_append_fast_paths_equal_the_general_path(index_name, ops, num_blocks):
-    """``append_decodes`` and ``can_append`` with their fast paths (``fast_appends``: a
-    claim in the partial last block, one fresh block for a full table) leave what the
-    general path (``append`` per sequence) leaves: the same answers, counts, KV ops and
+    """``append_decodes`` (also behind ``append`` of one slot) and ``can_append`` with their
+    fast paths (``fast_appends``: a claim in the partial last block, one fresh block for
+    a full table) leave what the general path leaves: the same answers, counts, KV ops and
     errors, block tables, per-block claims and sequence references, the pool's state and
     counters (its free list's order included), usage and evictions, op by op. Small pools
     run out, so the fresh-block path meets an empty free list (cached-free and, with

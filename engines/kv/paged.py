@@ -300,7 +300,8 @@ class PagedKVManager(SeqTable):
         seq = self._seqs.get(seq_id)
         if self.fast_appends and seq is not None and seq.host_blocks is None:
             # Fast path (most decode steps): the slots fit in the partial last block and
-            # nobody else claimed them (or it holds the block alone): no new block, no copy.
+            # nobody else claimed them (or it holds the block alone): no new block, no
+            # copy (append_decodes claims them in place by the same rule).
             offset = seq.num_tokens % self.block_size
             if offset and offset + num_new_tokens <= self.block_size:
                 last = seq.block_ids[-1]
@@ -320,8 +321,8 @@ class PagedKVManager(SeqTable):
         ``allocate_array(1)`` would, with the same listener call; the block, which no table
         holds yet, gets its first sequence reference and one claimed slot: ``_grow``'s
         counts for one block). Any other sequence (a copy ahead, an empty free list, a
-        swapped-out or unknown one) goes through ``append``. ``fast_appends=False`` sends
-        every one there (the differential test)."""
+        swapped-out or unknown one) takes the general path (``_append``).
+        ``fast_appends=False`` sends every one there (the differential test)."""
         if not self.fast_appends:
             return super().append_decodes(seq_ids)
         seqs = self._seqs
@@ -354,7 +355,7 @@ class PagedKVManager(SeqTable):
             self._num_token_slots += num_slots
             num_slots = 0
             try:
-                new_ops = self.append(seq_id, 1)
+                new_ops = self._append(seq_id, 1)
             except KVCapacityError:
                 return num_done, ops
             if new_ops is not NO_OPS:
@@ -364,12 +365,20 @@ class PagedKVManager(SeqTable):
 
     def append(self, seq_id: int, num_new_tokens: int) -> KVOps:
         """Grow ``seq_id`` by ``num_new_tokens`` slots (a prefill chunk or a decode token),
-        copying its partial last block first if another holder claimed the next slot.
-        The general path: ``append_decodes`` takes most decode tokens' slots faster.
+        copying its partial last block first if another holder claimed the next slot. One
+        slot takes ``append_decodes``' fast path where it can, more the general path.
 
         Mutates: the block table, references, the free list (may evict cached blocks).
         Raises KVCapacityError when ``can_append`` is False.
         """
+        if num_new_tokens == 1 and self.fast_appends:
+            num_done, ops = self.append_decodes((seq_id,))
+            if num_done:
+                return ops[0] if ops else NO_OPS
+        return self._append(seq_id, num_new_tokens)  # (raises where append_decodes stopped)
+
+    def _append(self, seq_id: int, num_new_tokens: int) -> KVOps:
+        """``append``'s general path (``_grow``), every check made."""
         seq = self._resident(seq_id, "append")
         if num_new_tokens < 0:
             raise ValueError(f"append: seq {seq_id} num_new_tokens must be >= 0, got {num_new_tokens}")

@@ -34,6 +34,7 @@ from kvbench.engines.kv.token_ids import (
     ArrayTokenIds,
     BlockKeyChain,
     KeyCarrier,
+    KeyedTokenIds,
     id_list,
     prefix_of,
 )
@@ -352,12 +353,15 @@ class _StepRegistrations:
                 except IndexError:
                     return step, at  # the table lacks block first (first >= 0: no wrap-around)
                 begin = first * bs
-                # id_list's first branch inline (keep the two alike): a decode block
-                # within an ArrayTokenIds' appended tail (a call per block cost a fifth
-                # of this loop).
-                if type(token_ids) is ArrayTokenIds and begin >= token_ids.num_prompt_ids:
+                # id_list's branches for a sequence's own ids inline (keep the two alike):
+                # a decode block within an ArrayTokenIds' appended tail, or of a
+                # KeyedTokenIds list (a call per block cost a fifth of this loop).
+                cls = type(token_ids)
+                if cls is ArrayTokenIds and begin >= token_ids.num_prompt_ids:
                     begin -= token_ids.num_prompt_ids
                     ids = token_ids.tail[begin : begin + bs]
+                elif cls is KeyedTokenIds:
+                    ids = token_ids[begin : begin + bs]  # list's own slice: a plain list
                 else:
                     ids = id_list(token_ids, begin, begin + bs)
                 if len(ids) != bs:
@@ -372,6 +376,12 @@ class _StepRegistrations:
                 flat += ids
             start = 0
         return None
+
+    def count_blocks(self) -> None:
+        """Count each row's entries into its state's registered blocks, once they are
+        registered. Mutates the states."""
+        for state, num_entries in zip(self.states, self.num_entries):
+            state.num_blocks += num_entries
 
 
 # Packers of int64 values by count (``_new_packer``): one compiled format per count,
@@ -658,9 +668,9 @@ class BlockHashPrefixIndex:
 
     def commit_many(self, entries: Sequence[CommitEntry]) -> None:
         """See ``PrefixIndex.commit_many``. Decode commits (``_StepRegistrations.add_steps``)
-        join a batch keyed and registered in one compiled call (``_register_in_steps``
-        with no blocks to take); any other entry is a plain ``commit``, after the batch so
-        far (registration order decides which of two equal keys wins)."""
+        join a batch keyed and registered in one compiled call (``_register_entries``);
+        any other entry is a plain ``commit``, after the batch so far (registration order
+        decides which of two equal keys wins)."""
         bs = self._block_size
         batch = _StepRegistrations(bs)
         at = 0
@@ -670,14 +680,14 @@ class BlockHashPrefixIndex:
                 break
             _, at = stop  # step 0: the only one
             if batch.rows:
-                self._register_in_steps(batch)
+                self._register_entries(batch)
                 batch = _StepRegistrations(bs)
             seq_id, token_ids, num_tokens, block_ids, extra_key = entries[at]
             # A plain commit (KeyError naming an unknown seq; ValueError for a bad count).
             self.commit(seq_id, prefix_of(token_ids, num_tokens), block_ids, extra_key)
             at += 1
         if batch.rows:
-            self._register_in_steps(batch)
+            self._register_entries(batch)
 
     def allocate_decode_steps(
         self, pool: BlockPool, needs: np.ndarray, commits: Sequence[Sequence[CommitEntry]]
@@ -706,64 +716,70 @@ class BlockHashPrefixIndex:
     def _register_in_steps(
         self,
         steps: _StepRegistrations,
-        needs: np.ndarray | None = None,
-        buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray] | None:
+        needs: np.ndarray,
+        buffers: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Take ``needs[t]`` blocks per step ``t`` (int64 [steps]) into ``buffers``
         (``native.step_buffers`` for them) and key and register ``steps``' entries after
         their steps, in one compiled pass (``native.allocate_steps_registering``), which
         writes each sequence's last key into its slot of ``_last_keys`` (the chains are
         left behind: see ``BlockKeyChain``); the states count the blocks, and the pool's
         reuse listener hears of the cached blocks taken. Returns
-        ``BlockPool.allocate_steps``' result. ``needs`` None: one step that takes no
-        blocks (a commit's; ``native.register_entries``), returning None. Mutates the
-        pool, index, states and buffers."""
+        ``BlockPool.allocate_steps``' result. Mutates the pool, index, states and buffers."""
         pool = self._bound_pool()
-        # Packed first: a value that is no int64 raises here, changing nothing.
+        num_rows = self._pack(steps)
+        taken, reused, reused_per_step = buffers
+        num_reused, registered = native.allocate_steps_registering(
+            pool.state,
+            pool.counts,
+            needs,
+            taken,
+            reused,
+            reused_per_step,
+            self._keys,
+            self._vals,
+            self._used,
+            self._block_hash,
+            self._block_check,
+            self._multipliers,
+            self._entry_rows,  # [capacity, 4 + bs], its first num_rows rows the entries
+            num_rows,
+            self._last_keys,  # each entry's slot chains from it, then holds the entry's key
+        )
+        self._num_registered += registered
+        steps.count_blocks()
+        if num_reused:  # the drops, as the pool's allocations would have told (none on a commit)
+            pool.tell_reused(reused[:num_reused])
+        return taken, reused_per_step
+
+    def _register_entries(self, steps: _StepRegistrations) -> None:
+        """``_register_in_steps`` for one step that takes no blocks (``commit_many``'s
+        decode commits): ``native.register_entries``, whose fewer arguments cost less to
+        pass. Mutates the pool (cached flags), index and states."""
+        pool = self._bound_pool()
+        num_rows = self._pack(steps)
+        self._num_registered += native.register_entries(
+            self._keys,
+            self._vals,
+            self._used,
+            pool.state,
+            pool.counts,
+            self._block_hash,
+            self._block_check,
+            self._multipliers,
+            self._entry_rows,
+            num_rows,
+            self._last_keys,
+        )
+        steps.count_blocks()
+
+    def _pack(self, steps: _StepRegistrations) -> int:
+        """Pack ``steps``' entries into ``_entry_rows`` (grown when short) and count the
+        registration into ``_version``; returns how many rows they fill. Done before the
+        compiled call: a value that is no int64 raises here, changing nothing else."""
         self._entry_rows, num_rows = _packed_rows(steps.entries, self._entry_rows, self._entry_width)
         self._version += 1
-        if needs is None:
-            self._num_registered += native.register_entries(
-                self._keys,
-                self._vals,
-                self._used,
-                pool.state,
-                pool.counts,
-                self._block_hash,
-                self._block_check,
-                self._multipliers,
-                self._entry_rows,  # [capacity, 4 + bs], its first num_rows rows the entries
-                num_rows,
-                self._last_keys,  # each entry's slot chains from it, then holds the entry's key
-            )
-            result = None
-        else:
-            assert buffers is not None, "_register_in_steps: blocks to take need their buffers"
-            taken, reused, reused_per_step = buffers
-            num_reused, registered = native.allocate_steps_registering(
-                pool.state,
-                pool.counts,
-                needs,
-                taken,
-                reused,
-                reused_per_step,
-                self._keys,
-                self._vals,
-                self._used,
-                self._block_hash,
-                self._block_check,
-                self._multipliers,
-                self._entry_rows,
-                num_rows,
-                self._last_keys,
-            )
-            self._num_registered += registered
-            if num_reused:  # the drops, as the pool's allocations would have told
-                pool.tell_reused(reused[:num_reused])
-            result = taken, reused_per_step
-        for state, num_entries in zip(steps.states, steps.num_entries):
-            state.num_blocks += num_entries
-        return result
+        return num_rows
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         if child_seq_id in self._seqs:

@@ -187,8 +187,9 @@ def id_list(token_ids: Sequence[int], start: int, stop: int) -> list[int]:
     decode blocks slices once per block; the views' own slicing re-checks the range
     twice, this does not). Of ids that are no view, a ``stop`` past them gives fewer, as
     slicing does (a commit entry's batch reads that as a count past its ids).
-    ``_StepRegistrations.add_steps`` inlines the first branch (a block in an
-    ``ArrayTokenIds``' tail): change both alike."""
+    ``_StepRegistrations.add_steps`` inlines the branches for a sequence's own ids (a
+    block in an ``ArrayTokenIds``' tail, a ``KeyedTokenIds`` list's slice): change both
+    alike."""
     tokens = token_ids
     if type(tokens) is not ArrayTokenIds:  # a sequence's own ids (every commit entry's) skip the call
         tokens, start, stop = _unwrapped(token_ids, start, stop)

@@ -409,10 +409,12 @@ class Scheduler:
         third of a decode step's scheduling); every other group goes through
         ``_schedule_running``.
 
-        Why it is the same plan: with one sequence and a positive budget, a beam group
-        holds nothing back and fits its lockstep rule, so ``_schedule_running`` gives the
-        sequence 1 token, a decode piece (``_register_scheduled`` registers nothing for
-        it). ``append_decodes`` stops before the first sequence whose ``append`` raises
+        Why it is the same plan: the batch takes at most one group per token of budget
+        left (none once a prefill that may run past the budget, unchunked, made it
+        negative), and with one sequence and a positive budget a beam group holds nothing
+        back and fits its lockstep rule, so ``_schedule_running`` gives the sequence 1
+        token, a decode piece (``_register_scheduled`` registers nothing for it).
+        ``append_decodes`` stops before the first sequence whose ``append`` raises
         KVCapacityError, which is ``can_append`` being False (the KV-manager contract),
         when ``_schedule_running`` makes room: that group does so here too
         (``_append_piece``), and batching resumes after it. Room is made by preempting
@@ -423,8 +425,10 @@ class Scheduler:
         append_decodes = self.kv.append_decodes
         index = 0
         while index < len(running):
-            batch = []  # the pieces of the decode groups from ``index`` on, within the budget
-            for group in running[index : index + self._budget]:
+            # The pieces of the decode groups from ``index`` on, within the budget (a
+            # negative one would slice from the end).
+            batch: list[_Piece] = []
+            for group in running[index : index + max(self._budget, 0)]:
                 seqs = group.seqs
                 if len(seqs) != 1 or group.num_detached:
                     break
@@ -801,15 +805,11 @@ class Scheduler:
     def _append_piece(self, group: SequenceGroup, seq_id: int, num_tokens: int) -> bool:
         """Reserve ``num_tokens`` more slots for ``seq_id`` of running ``group``, making
         room (``_make_room``) when the KV manager has none; the KV ops go to the plan.
-        False when the group preempted itself (nothing reserved). A decode token goes
-        through ``append_decodes``, whose fast path most take. Mutates the KV manager, the
-        plan's ops and, making room, the queues."""
+        False when the group preempted itself (nothing reserved). Asks ``can_append``
+        first, as the plain path always has (``_plan_running`` batches ``append_decodes``
+        instead and comes here where it stops). Mutates the KV manager, the plan's ops
+        and, making room, the queues."""
         kv = self.kv
-        if num_tokens == 1:
-            num_done, ops = kv.append_decodes((seq_id,))
-            if num_done:
-                self._ops += ops
-                return True
         if not kv.can_append(seq_id, num_tokens) and not self._make_room(group, seq_id, num_tokens):
             return False
         ops = kv.append(seq_id, num_tokens)
