@@ -4,7 +4,7 @@ Run: pytest tests/benchmarks/bench_scheduler.py --benchmark-enable -o python_fil
 
 Goal (issue 16): <= 2 microseconds of CPU per running sequence per step. Never asserted.
 
-What is timed: DECODE_STEPS decode steps of ``schedule()`` + ``complete_step()`` +
+What is timed: ``decode_steps(R)`` decode steps of ``schedule()`` + ``complete_step()`` +
 ``append_token()`` per sequence + ``kv.usage()`` (the engine reads it every step) over R
 running single-sample requests, with the real KV manager (append, commit, usage) and no
 executor: the step-by-step path of the real-mode engine and of simulation with
@@ -39,12 +39,25 @@ from kvbench.engines.sched.scheduler import Scheduler, SchedulerConfig
 from kvbench.types import Request
 
 GOAL_US_PER_SEQ_STEP = 2.0
-DECODE_STEPS = 64
+# Sequence-steps a round times, in at least MIN_DECODE_STEPS steps: 16 sequences x 64
+# steps was a round of about 2 ms, whose median over 9 rounds moved by a quarter between
+# runs of the suite while the machine-speed probe held; 8,192 take about 15 ms.
+SEQ_STEPS_PER_ROUND = 8192
+MIN_DECODE_STEPS = 64
 PROMPT_LEN = 200
 BLOCK_SIZE = 16
 PREFIX_CACHES = ("none", "block_hash", "radix")
-# Room for every round's steps without finishing a request or running out of blocks.
-MAX_TOKENS = 4 * DECODE_STEPS
+
+
+def decode_steps(num_seqs: int) -> int:
+    """Decode steps a round of ``num_seqs`` running sequences times. Pure."""
+    return max(MIN_DECODE_STEPS, SEQ_STEPS_PER_ROUND // num_seqs)
+
+
+def max_tokens(num_seqs: int) -> int:
+    """Each request's output limit: room for every round's steps (and the warm-up's)
+    without finishing a request or running out of blocks. Pure."""
+    return 4 * decode_steps(num_seqs)
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ def _one_step(scheduler: Scheduler) -> int:
 
 def _decoding_scheduler(num_seqs: int, prefix_cache: str, chunk_contents: bool) -> Scheduler:
     """A scheduler with ``num_seqs`` single-sample requests past their prefill."""
-    blocks_per_seq = -(-(PROMPT_LEN + MAX_TOKENS) // BLOCK_SIZE)
+    blocks_per_seq = -(-(PROMPT_LEN + max_tokens(num_seqs)) // BLOCK_SIZE)
     kv = PagedKVManager(num_seqs * blocks_per_seq + 16, BLOCK_SIZE, 2048, PREFIX_INDEXES[prefix_cache]())
     config = SchedulerConfig(
         max_num_seqs=num_seqs, max_num_batched_tokens=max(num_seqs, PROMPT_LEN) * 2, max_model_len=1 << 20
@@ -81,7 +94,7 @@ def _decoding_scheduler(num_seqs: int, prefix_cache: str, chunk_contents: bool) 
     rng = random.Random(0)
     for i in range(num_seqs):
         prompt = tuple(rng.randrange(3, 4096) for _ in range(PROMPT_LEN))
-        scheduler.add(Request(f"r{i}", 0.0, prompt, MAX_TOKENS))
+        scheduler.add(Request(f"r{i}", 0.0, prompt, max_tokens(num_seqs)))
     while (
         any(group.seqs[0].num_computed_tokens < PROMPT_LEN for group in scheduler.running)
         or scheduler.waiting
@@ -98,7 +111,7 @@ def _decode_steps(
 
         def work() -> DecodeOutcome:
             num_seq_steps = 0
-            for _ in range(DECODE_STEPS):
+            for _ in range(decode_steps(num_seqs)):
                 decoded = _one_step(scheduler)
                 assert decoded == num_seqs, f"a step decoded {decoded} of {num_seqs} sequences"
                 num_seq_steps += decoded
@@ -115,11 +128,11 @@ def test_scheduler_cpu_per_running_sequence_step(benchmark, num_seqs, mode):
     variants = {pc: _decode_steps(num_seqs, pc, chunk_contents=mode == "real") for pc in PREFIX_CACHES}
     result = benchmark.pedantic(lambda: run_rounds(variants, verify=_verify), rounds=1, iterations=1)
     benchmark.extra_info.update(result.info())
-    benchmark.extra_info.update(num_seqs=num_seqs, mode=mode, decode_steps=DECODE_STEPS)
+    benchmark.extra_info.update(num_seqs=num_seqs, mode=mode, decode_steps=decode_steps(num_seqs))
     lines = []
     for pc in PREFIX_CACHES:
         num_seq_steps = result.outcomes[pc].num_seq_steps
-        assert num_seq_steps == num_seqs * DECODE_STEPS
+        assert num_seq_steps == num_seqs * decode_steps(num_seqs)
         us = result.spread(pc, 1e6 / num_seq_steps)
         benchmark.extra_info.update(us.as_info(f"{pc}_us_per_seq_step"))
         lines.append(f"  {pc:10} {us.text('.2f')} us")
