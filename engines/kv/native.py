@@ -405,6 +405,7 @@ def allocate_steps_registering(
         raise ValueError("allocate_steps_registering: num_entries out of the entries' rows")
     entry_keys = np.empty((2, num_entries), dtype=np.uint64)  # lanes 0 and 1 of each entry's key
     blocks = np.ascontiguousarray(entries[:num_entries, 3])
+    table = (keys, vals, used, st, counts, block_hash, block_check)
     at = 0
     k = 0
     e = 0
@@ -418,22 +419,7 @@ def allocate_steps_registering(
         while stop < num_entries and entries[stop, 0] == t:
             stop += 1
         if stop > e:
-            registered += _key_and_register(
-                keys,
-                vals,
-                used,
-                st,
-                counts,
-                block_hash,
-                block_check,
-                multipliers,
-                entries,
-                e,
-                stop,
-                lanes,
-                entry_keys,
-                blocks,
-            )
+            registered += _key_and_register(table, multipliers, entries, e, stop, lanes, entry_keys, blocks)
             e = stop
     return k, registered
 
@@ -452,46 +438,21 @@ def register_entries(
         raise ValueError("register_entries: num_entries out of the entries' rows")
     entry_keys = np.empty((2, num_entries), dtype=np.uint64)
     blocks = np.ascontiguousarray(entries[:num_entries, 3])
-    return _key_and_register(
-        keys,
-        vals,
-        used,
-        st,
-        counts,
-        block_hash,
-        block_check,
-        multipliers,
-        entries,
-        0,
-        num_entries,
-        lanes,
-        entry_keys,
-        blocks,
-    )
+    table = (keys, vals, used, st, counts, block_hash, block_check)
+    return _key_and_register(table, multipliers, entries, 0, num_entries, lanes, entry_keys, blocks)
 
 
 @njit(cache=True, nogil=True)
 def _key_and_register(
-    keys,
-    vals,
-    used,
-    st,
-    counts,
-    block_hash,
-    block_check,
-    multipliers,
-    entries,
-    first,
-    stop,
-    lanes,
-    entry_keys,
-    blocks,
+    table, multipliers, entries, first, stop, lanes, entry_keys, blocks
 ):  # pragma: no cover - compiled
     """Key entries ``first`` to ``stop - 1`` (one step's) in order into ``entry_keys``
     (uint64 [2, entries]), each chained from its row of ``lanes``, which then holds its
     key, then register their ``blocks`` by one ``register_run``. Keying reads only the
     tokens and lanes, never the table: a step's entries are keyed first, then registered
-    in order. Returns how many blocks were registered."""
+    in order. ``table``: ``register_run``'s first seven arrays (keys, vals, used, st,
+    counts, block_hash, block_check). Returns how many blocks were registered."""
+    keys, vals, used, st, counts, block_hash, block_check = table
     for e in range(first, stop):
         row = entries[e, 1]
         chained_block_keys_into(

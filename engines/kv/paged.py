@@ -79,6 +79,19 @@ def usage_columns_of(
     return {f"kv.{name}": values.tolist() for name, values in count_fields(*columns).items()}
 
 
+def _append_one(append: Callable[[int, int], KVOps], seq_id: int, ops: list[KVOps]) -> bool:
+    """``append(seq_id, 1)`` for ``append_decodes``: its KV ops go to ``ops`` unless they
+    are ``NO_OPS``; False, changing nothing, where it raises KVCapacityError (misuse
+    raises through). Mutates what ``append`` mutates and ``ops``."""
+    try:
+        new_ops = append(seq_id, 1)
+    except KVCapacityError:
+        return False
+    if new_ops is not NO_OPS:
+        ops.append(new_ops)
+    return True
+
+
 def check_sizes(
     owner: str, num_blocks: int, block_size: int, bytes_per_token: int, num_host_blocks: int = 0
 ) -> None:
@@ -145,12 +158,8 @@ class SeqTable:
         manager with a faster way overrides this)."""
         ops: list[KVOps] = []
         for num_done, seq_id in enumerate(seq_ids):
-            try:
-                new_ops = self.append(seq_id, 1)
-            except KVCapacityError:
+            if not _append_one(self.append, seq_id, ops):
                 return num_done, ops
-            if new_ops is not NO_OPS:
-                ops.append(new_ops)
         return len(seq_ids), ops
 
     def _check_new(self, seq_id: int, num_new_tokens: int, op: str) -> None:
@@ -354,12 +363,8 @@ class PagedKVManager(SeqTable):
                     continue
             self._num_token_slots += num_slots
             num_slots = 0
-            try:
-                new_ops = self._append(seq_id, 1)
-            except KVCapacityError:
+            if not _append_one(self._append, seq_id, ops):
                 return num_done, ops
-            if new_ops is not NO_OPS:
-                ops.append(new_ops)
         self._num_token_slots += num_slots
         return len(seq_ids), ops
 

@@ -649,13 +649,7 @@ class BlockHashPrefixIndex:
         new_blocks = np.array(block_ids[first:num_full], dtype=np.int64)
         self._version += 1
         self._num_registered += native.register_run(
-            self._keys,
-            self._vals,
-            self._used,
-            pool.state,
-            pool.counts,
-            self._block_hash,
-            self._block_check,
+            *self._registration_arrays(pool),
             chain.hashes,
             chain.checks,
             new_blocks,
@@ -759,6 +753,19 @@ class BlockHashPrefixIndex:
         pool = self._bound_pool()
         num_rows = self._pack(steps)
         self._num_registered += native.register_entries(
+            *self._registration_arrays(pool),
+            self._multipliers,
+            self._entry_rows,
+            num_rows,
+            self._last_keys,
+        )
+        steps.count_blocks()
+
+    def _registration_arrays(self, pool: BlockPool) -> tuple[np.ndarray, ...]:
+        """What a compiled registration writes, in ``native.register_run``'s order: the hash
+        table (keys, values, used slots), ``pool``'s state and counts, each block's key
+        lanes. Pure."""
+        return (
             self._keys,
             self._vals,
             self._used,
@@ -766,12 +773,7 @@ class BlockHashPrefixIndex:
             pool.counts,
             self._block_hash,
             self._block_check,
-            self._multipliers,
-            self._entry_rows,
-            num_rows,
-            self._last_keys,
         )
-        steps.count_blocks()
 
     def _pack(self, steps: _StepRegistrations) -> int:
         """Pack ``steps``' entries into ``_entry_rows`` (grown when short) and count the
