@@ -278,6 +278,35 @@ def test_usage_of_an_empty_manager():
     )
 
 
+def test_usage_names_each_field_of_a_manager_holding_every_kind_of_block():
+    """usage_of builds KVUsage positionally and _count_values returns a tuple: a manager
+    whose figures all differ (a swapped sequence, a cached free block, a partial block)
+    pins each to its field by name, in usage() and in usage_columns."""
+    m = make(num_blocks=12, num_host_blocks=3, bytes_per_token=7)
+    prefill(m, 0, SYSTEM + [1, 2, 3, 4, 5, 6, 7, 8])  # blocks 0-3, all full
+    prefill(m, 1, SYSTEM + [6, 6, 6, 6, 6])  # shares 0 1, owns 4 and 5 (partial): 13 slots
+    prefill(m, 2, [9, 9, 9, 9, 9])  # owns 6 and 7 (partial)
+    m.free(2)  # 6 (full, committed) stays cached; 7 is free and uncached
+    m.swap_out(0)  # its own 2 and 3 go to the host, staying cached on the device
+    per_block = BS * 7
+    assert m.usage() == KVUsage(
+        capacity_bytes=12 * per_block,
+        allocated_bytes=4 * per_block,  # 0 1 4 5
+        token_bytes=13 * 7,  # seq 1's slots
+        internal_frag_bytes=4 * per_block - 13 * 7,
+        cached_bytes=3 * per_block,  # 2 3 6
+        host_bytes=2 * per_block,
+        num_blocks_total=12,
+        num_blocks_in_use=4,
+        num_blocks_cached_free=3,
+        num_blocks_free=5,
+    )
+    usage = m.usage()
+    columns = m.usage_columns([m.usage_counts()])
+    assert columns == {path: [getattr(usage, path[len("kv.") :])] for path in columns}
+    assert len(columns) == 7 and len({values[0] for values in columns.values()}) == 7
+
+
 # --------------------------------------------------------------------------- state machine
 INDEXES = {"null": NullPrefixIndex, "hash": BlockHashPrefixIndex, "radix": RadixPrefixIndex}
 PROMPT_STEMS = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 1], [3, 3, 3, 3, 3]]

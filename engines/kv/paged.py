@@ -69,6 +69,19 @@ def _table_of(block_ids: np.ndarray) -> array[int]:
     return table
 
 
+# The KVUsage fields a paged manager's ``usage_counts`` determine, in the order
+# ``PagedKVManager._count_values`` returns them.
+_COUNT_FIELDS = (
+    "allocated_bytes",
+    "token_bytes",
+    "internal_frag_bytes",
+    "cached_bytes",
+    "num_blocks_in_use",
+    "num_blocks_cached_free",
+    "num_blocks_free",
+)
+
+
 def usage_columns_of(
     count_fields: Callable[..., dict[str, Any]], counts: Sequence[tuple[int, ...]]
 ) -> dict[str, list[int]]:
@@ -654,29 +667,40 @@ class PagedKVManager(SeqTable):
         """KVUsage for these ``usage_counts`` (blocks in use, claimed token slots, free
         uncached blocks) and the host pool now. Pure."""
         in_use, token_slots, free = counts
+        allocated, token_bytes, internal_frag, cached_bytes, _, cached, _ = self._count_values(
+            in_use, token_slots, free
+        )
         per_block = self.bytes_per_block
+        # Positional, in KVUsage's field order: keywords cost as much as the build again,
+        # and the engine reads usage every step. The order is pinned by test_kv_manager.py's
+        # test_usage_names_each_field_of_a_manager_holding_every_kind_of_block.
         return KVUsage(
-            capacity_bytes=self.num_blocks * per_block,
-            host_bytes=(self.num_host_blocks - self.host_pool.num_free) * per_block,
-            num_blocks_total=self.num_blocks,
-            **self._count_fields(in_use, token_slots, free),
+            self.num_blocks * per_block,  # capacity_bytes
+            allocated,
+            token_bytes,
+            0,  # reserved_unused_bytes
+            internal_frag,
+            0,  # external_frag_bytes
+            cached_bytes,
+            (self.num_host_blocks - self.host_pool.num_free) * per_block,  # host_bytes
+            self.num_blocks,  # num_blocks_total
+            in_use,
+            cached,
+            free,
         )
 
-    def _count_fields(self, in_use: Any, token_slots: Any, free: Any) -> dict[str, Any]:
-        """KVUsage's count-dependent fields: ints, or int64 arrays (one per step). Pure."""
+    def _count_values(self, in_use: Any, token_slots: Any, free: Any) -> tuple[Any, ...]:
+        """KVUsage's count-dependent fields (``_COUNT_FIELDS``, in order) for these
+        ``usage_counts``: ints, or int64 arrays (one per step). Pure."""
         per_block = self.bytes_per_block
         cached = self.num_blocks - free - in_use
         allocated = in_use * per_block
         token_bytes = token_slots * self.bytes_per_token
-        return {
-            "allocated_bytes": allocated,
-            "token_bytes": token_bytes,
-            "internal_frag_bytes": allocated - token_bytes,
-            "cached_bytes": cached * per_block,
-            "num_blocks_in_use": in_use,
-            "num_blocks_cached_free": cached,
-            "num_blocks_free": free,
-        }
+        return allocated, token_bytes, allocated - token_bytes, cached * per_block, in_use, cached, free
+
+    def _count_fields(self, *counts: Any) -> dict[str, Any]:
+        """``_count_values`` keyed by field name, for ``usage_columns``. Pure."""
+        return dict(zip(_COUNT_FIELDS, self._count_values(*counts), strict=True))
 
     def check(self) -> None:
         """Raise AssertionError naming the first broken invariant. O(blocks + table entries)."""

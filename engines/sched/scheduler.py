@@ -1162,31 +1162,43 @@ class Scheduler:
         pieces = self._pieces
         for group, seq, start, num_tokens in pieces:
             tokens = seq.token_ids
-            end = start + num_tokens
-            seq_len = len(tokens)
-            # is_decode_chunk(seq, start, num_tokens) written out: a call per running
-            # sequence per step (tests/test_scheduler.py checks every chunk against it).
-            is_decode = num_tokens == 1 and start == seq_len - 1 and start >= seq.num_prompt_tokens
-            if is_decode:
+            # The common chunk first, in few steps: a decode token (is_decode_chunk written
+            # out: a call per running sequence per step; tests/test_scheduler.py checks every
+            # chunk against it) that recomputes nothing. The general branch would build the
+            # same chunk (for one token, ``sample`` is ``start == len(tokens) - 1``).
+            token_ids: SequenceOf[int]
+            if (
+                num_tokens == 1
+                and start == len(tokens) - 1
+                and start >= seq.num_prompt_tokens
+                and start >= seq.num_lost_tokens
+            ):
                 num_decode += 1
+                token_ids, sample, is_decode = [tokens[start]], True, True
             else:
-                num_prefill += num_tokens
-            if start < seq.num_lost_tokens:
-                lost = min(end, seq.num_lost_tokens) - start
-                num_recomputed += lost
-                group.num_recomputed_tokens += lost
-            if num_tokens == 1:
-                token_ids: SequenceOf[int] = [tokens[start]]
-            elif chunk_contents:
-                # A list slice is the chunk's own copy already (tuple() of it copied a
-                # prefill chunk's 8K ids twice).
-                token_ids = tokens[start:end]
-            else:
-                token_ids = TokenSpan(tokens, start, end)
+                end = start + num_tokens
+                sample = end == len(tokens)
+                is_decode = num_tokens == 1 and sample and start >= seq.num_prompt_tokens
+                if is_decode:
+                    num_decode += 1
+                else:
+                    num_prefill += num_tokens
+                if start < seq.num_lost_tokens:
+                    lost = min(end, seq.num_lost_tokens) - start
+                    num_recomputed += lost
+                    group.num_recomputed_tokens += lost
+                if num_tokens == 1:
+                    token_ids = [tokens[start]]
+                elif chunk_contents:
+                    # A list slice is the chunk's own copy already (tuple() of it copied a
+                    # prefill chunk's 8K ids twice).
+                    token_ids = tokens[start:end]
+                else:
+                    token_ids = TokenSpan(tokens, start, end)
             table = kv.block_table(seq.seq_id) if chunk_contents else ()
             # One chunk per running sequence per step: built without ScheduledChunk.__new__.
             chunks.append(
-                _new_tuple(ScheduledChunk, (seq.seq_id, token_ids, start, table, end == seq_len, is_decode))
+                _new_tuple(ScheduledChunk, (seq.seq_id, token_ids, start, table, sample, is_decode))
             )
             if len(group.seqs) != 1:
                 # A lone sequence's peak follows its computed tokens (SequenceGroup.settle_peaks).
