@@ -227,12 +227,14 @@ def test_registering_more_entries_than_rows_raises_changing_nothing():
     keys = (index._block_hash, index._block_check, index._multipliers)
     calls = {
         "allocate_steps_registering": lambda num_entries: native.allocate_steps_registering(
+            *table,
             pool.state,
             pool.counts,
+            index._block_hash,
+            index._block_check,
             np.zeros(1, dtype=np.int64),
             *native.step_buffers(0, 1),
-            *table,
-            *keys,
+            index._multipliers,
             rows,
             num_entries,
             index._last_keys,

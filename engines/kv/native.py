@@ -365,24 +365,26 @@ def register_run(keys, vals, used, st, counts, block_hash, block_check, hashes, 
 
 @njit(cache=True, nogil=True)
 def allocate_steps_registering(
+    keys,
+    vals,
+    used,
     st,
     counts,
+    block_hash,
+    block_check,
     needs,
     out,
     reused,
     reused_per_step,
-    keys,
-    vals,
-    used,
-    block_hash,
-    block_check,
     multipliers,
     entries,
     num_entries,
     lanes,
 ):  # pragma: no cover - compiled
     """``allocate_steps_into`` (``needs``, ``out``, ``reused``, ``reused_per_step`` as
-    there) with registrations after each step. ``entries`` int64
+    there; ``st`` and ``counts`` the pool's, among ``register_run``'s first seven arrays,
+    in its order, as ``register_entries`` takes them) with registrations after each
+    step. ``entries`` int64
     [capacity, 4 + bs] (``bs = multipliers.shape[0]``; the caller keeps that width), of
     which the first ``num_entries`` rows are read (the caller reuses one array across
     calls): per entry its step, row, position and block, then the block's ``bs`` token

@@ -724,17 +724,11 @@ class BlockHashPrefixIndex:
         num_rows = self._pack(steps)
         taken, reused, reused_per_step = buffers
         num_reused, registered = native.allocate_steps_registering(
-            pool.state,
-            pool.counts,
+            *self._registration_arrays(pool),
             needs,
             taken,
             reused,
             reused_per_step,
-            self._keys,
-            self._vals,
-            self._used,
-            self._block_hash,
-            self._block_check,
             self._multipliers,
             self._entry_rows,  # [capacity, 4 + bs], its first num_rows rows the entries
             num_rows,
@@ -762,7 +756,8 @@ class BlockHashPrefixIndex:
         steps.count_blocks()
 
     def _registration_arrays(self, pool: BlockPool) -> tuple[np.ndarray, ...]:
-        """What a compiled registration writes, in ``native.register_run``'s order: the hash
+        """What a compiled registration writes, the first arguments of ``native.register_run``,
+        ``register_entries`` and ``allocate_steps_registering`` in their order: the hash
         table (keys, values, used slots), ``pool``'s state and counts, each block's key
         lanes. Pure."""
         return (
