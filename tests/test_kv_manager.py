@@ -442,7 +442,23 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.m.check()
-        for seq in self._resident():
+        resident = self._resident()
+        # The step's read of every chunk's table (PagedKVManager.block_tables' fast path)
+        # is block_table per sequence, in the order asked, as Python ints; a swapped-out
+        # or unknown sequence among them raises as block_table does for it.
+        tables = self.m.block_tables(resident[::-1])
+        assert tables == [self.m.block_table(seq) for seq in resident[::-1]]
+        assert all(type(block) is int for table in tables for block in table)
+        if resident:  # each entry a copy of its own, even for a sequence named twice
+            first, again = self.m.block_tables([resident[0], resident[0]])
+            first.append(-1)
+            assert again == self.m.block_table(resident[0]) != first
+        for seq in self.tokens.keys() - set(resident):
+            with pytest.raises(ValueError, match=f"^block_table: seq {seq} is swapped out"):
+                self.m.block_tables([*resident, seq])
+        with pytest.raises(KeyError, match="unknown seq -1"):
+            self.m.block_tables([*resident, -1])
+        for seq in resident:
             written = self.written[seq]
             for p, slot in zip(range(written), self.m.slot_mapping(seq, 0, written)):
                 assert self.device[slot // BS][slot % BS] == self.tokens[seq][p], (

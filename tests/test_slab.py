@@ -118,6 +118,10 @@ def test_first_fit_takes_the_lowest_hole_best_fit_the_tightest(placement, expect
     e = start(kv, directory, req("E", 6, 2))  # 8 tokens: 2 blocks
     assert kv.region_of(e) == (expected_start, 2)
     assert kv.block_table(e) == [expected_start, expected_start + 1]
+    # A step's chunks read their tables in one call (SeqTable.block_tables): the same.
+    assert kv.block_tables([e, d, b, c]) == [kv.block_table(s) for s in (e, d, b, c)]
+    with pytest.raises(KeyError, match=f"unknown seq {a}"):
+        kv.block_tables([e, a])
 
 
 def test_external_fragmentation_appears_in_a_hand_built_arrival_order():

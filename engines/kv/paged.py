@@ -152,6 +152,11 @@ class SeqTable:
         """Physical device block ids in logical order (a copy). ValueError if swapped out."""
         return list(self._resident(seq_id, "block_table").block_ids)
 
+    def block_tables(self, seq_ids: Sequence[int]) -> list[list[int]]:
+        """See ``KVManager.block_tables``: ``block_table`` for each (a manager with a faster
+        way overrides this)."""
+        return [self.block_table(seq_id) for seq_id in seq_ids]
+
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Physical slot ``block * block_size + offset`` for slots ``[start, end)``.
 
@@ -406,6 +411,23 @@ class PagedKVManager(SeqTable):
                 f"append: seq {seq_id} needs {need} blocks, {self.num_allocatable_blocks} allocatable"
             )
         return self._grow(seq, num_new_tokens)
+
+    def block_tables(self, seq_ids: Sequence[int]) -> list[list[int]]:
+        """See ``KVManager.block_tables``: ``SeqTable.block_tables`` without a call per
+        sequence (the real-mode scheduler reads every chunk's table every step), each
+        table converted by the int64 array's ``tolist`` (so it reads ``_seqs`` as
+        ``block_table`` does: a subclass changing ``block_table`` changes this too). An
+        unknown or swapped-out sequence raises through ``SeqTable.block_tables``, naming
+        the first. Pure."""
+        seqs = self._seqs
+        tables = [
+            seq.block_ids.tolist()
+            for seq in map(seqs.get, seq_ids)
+            if seq is not None and seq.host_blocks is None
+        ]
+        if len(tables) != len(seq_ids):
+            return super().block_tables(seq_ids)  # raises, naming the first it cannot read
+        return tables
 
     def can_decode_together(self, seq_ids: Sequence[int]) -> bool:
         """Whether ``decode_run(seq_ids)`` may start: every sequence is resident, its next

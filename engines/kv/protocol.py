@@ -137,6 +137,12 @@ class KVManager(Protocol):
         """Physical device block ids in logical order (a copy). ValueError if swapped out."""
         ...
 
+    def block_tables(self, seq_ids: Sequence[int]) -> list[list[int]]:
+        """``block_table`` of each of ``seq_ids``, in order, each a new copy: a step's chunks
+        read theirs in one call. KeyError for an unknown sequence, ValueError for a
+        swapped-out one (the first such; nothing is returned). Pure."""
+        ...
+
     def usage(self) -> KVUsage:
         """Device and host memory now. Pure."""
         ...

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from functools import cached_property
@@ -1160,6 +1160,9 @@ class Scheduler:
         num_prefill = num_decode = num_recomputed = 0
         touched: dict[int, SequenceGroup] = {}
         pieces = self._pieces
+        tables: Iterator[list[int]]  # real mode: every chunk's table, read in one call
+        if chunk_contents:  # (nothing below changes the KV manager)
+            tables = iter(kv.block_tables([seq.seq_id for _, seq, _, _ in pieces]))
         for group, seq, start, num_tokens in pieces:
             tokens = seq.token_ids
             # The common chunk first, in few steps: a decode token (is_decode_chunk written
@@ -1195,7 +1198,7 @@ class Scheduler:
                     token_ids = tokens[start:end]
                 else:
                     token_ids = TokenSpan(tokens, start, end)
-            table = kv.block_table(seq.seq_id) if chunk_contents else ()
+            table = next(tables) if chunk_contents else ()
             # One chunk per running sequence per step: built without ScheduledChunk.__new__.
             chunks.append(
                 _new_tuple(ScheduledChunk, (seq.seq_id, token_ids, start, table, sample, is_decode))
