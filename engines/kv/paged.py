@@ -415,10 +415,10 @@ class PagedKVManager(SeqTable):
     def block_tables(self, seq_ids: Sequence[int]) -> list[list[int]]:
         """See ``KVManager.block_tables``: ``SeqTable.block_tables`` without a call per
         sequence (the real-mode scheduler reads every chunk's table every step), each
-        table converted by the int64 array's ``tolist`` (so it reads ``_seqs`` as
-        ``block_table`` does: a subclass changing ``block_table`` changes this too). An
-        unknown or swapped-out sequence raises through ``SeqTable.block_tables``, naming
-        the first. Pure."""
+        table converted by the int64 array's ``tolist``. It reads ``_seqs`` itself, not
+        through ``block_table``: a subclass changing ``block_table`` must override this
+        too. An unknown or swapped-out sequence raises through ``SeqTable.block_tables``,
+        naming the first. Pure."""
         seqs = self._seqs
         tables = [
             seq.block_ids.tolist()
