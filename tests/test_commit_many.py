@@ -223,15 +223,10 @@ def test_registering_more_entries_than_rows_raises_changing_nothing():
     index, pool = m.prefix_index, m.pool
     before = (pool.state.tobytes(), pool.counts.tobytes(), index._keys.tobytes(), index._last_keys.tobytes())
     rows = np.zeros((1, 4 + BS), dtype=np.int64)
-    table = (index._keys, index._vals, index._used)
-    keys = (index._block_hash, index._block_check, index._multipliers)
+    registration = index._registration_arrays(pool)  # both calls' first arguments
     calls = {
         "allocate_steps_registering": lambda num_entries: native.allocate_steps_registering(
-            *table,
-            pool.state,
-            pool.counts,
-            index._block_hash,
-            index._block_check,
+            *registration,
             np.zeros(1, dtype=np.int64),
             *native.step_buffers(0, 1),
             index._multipliers,
@@ -240,7 +235,7 @@ def test_registering_more_entries_than_rows_raises_changing_nothing():
             index._last_keys,
         ),
         "register_entries": lambda num_entries: native.register_entries(
-            *table, pool.state, pool.counts, *keys, rows, num_entries, index._last_keys
+            *registration, index._multipliers, rows, num_entries, index._last_keys
         ),
     }
     for name, call in calls.items():
