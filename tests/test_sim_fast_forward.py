@@ -329,6 +329,43 @@ def test_eos_ends_runs_when_not_ignored():
     assert_identical(workload, spec=spec, num_blocks=128)
 
 
+@pytest.mark.parametrize("check_eos", [False, True])
+def test_reserved_steps_span_modeling_windows_in_one_call(check_eos, monkeypatch):
+    # Four requests arriving together, with room for all: once they decode, nothing waits,
+    # so a run takes its first step alone and reserves every later one in one
+    # advance_many call, through the windows its steps are modeled in (8, 16, 32 ...
+    # steps), up to the first finish: a length limit or, where EOS is checked (one
+    # stand-in in 60 is EOS), the first EOS, which may lie in any window.
+    spec = dataclasses.replace(SPEC, vocab_size=63, eos_token_id=10) if check_eos else SPEC
+    workload = random_requests(
+        4, 24, {"kind": "uniform", "low": 100, "high": 300}, vocab_size=spec.vocab_size, seed=3
+    )
+    workload = Workload(
+        workload.name, tuple(dataclasses.replace(r, ignore_eos=not check_eos) for r in workload.requests)
+    )
+    calls_per_run: list[int] = []
+    reserved: list[int] = []
+    fast_run, advance_many = FastForward.run, PagedDecodeRun.advance_many
+
+    def counting_run(fast, *args):  # type: ignore[no-untyped-def]
+        calls_per_run.append(0)
+        return fast_run(fast, *args)
+
+    def counting_advance_many(run, num_steps, *args):  # type: ignore[no-untyped-def]
+        calls_per_run[-1] += 1
+        reserved.append(num_steps)
+        return advance_many(run, num_steps, *args)
+
+    monkeypatch.setattr(FastForward, "run", counting_run)
+    monkeypatch.setattr(PagedDecodeRun, "advance_many", counting_advance_many)
+    assert_identical(workload, min_covered_share=0.9, spec=spec, num_blocks=256)
+    assert max(calls_per_run) == 1
+    assert max(reserved) > 8 + 16  # a reservation reached past the second window
+    if check_eos:
+        slow, _ = run(workload, False, spec, num_blocks=256)
+        assert min(len(out[0]) for out in slow.outputs.values()) < 100  # EOS ended one early
+
+
 def test_runs_after_sample_0_finished():
     """A best-of-2 request whose sample 0 stops at EOS after one token: the runs that
     follow hold only sample 1, so the covered tokens the runner counts give sample 0 no

@@ -36,14 +36,14 @@ from kvbench.engines.sched.scheduler import DecodeBatch, Scheduler, SchedulerOut
 from kvbench.engines.sched.sequence import Sequence, SequenceGroup
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.stand_in import StandInTokens, stand_in_tokens
-from kvbench.sim.cost_model import StepShape
+from kvbench.sim.cost_model import CostModel, StepShape
 from kvbench.types import CoveredSteps, StepOutput, StepStats
 
 # Most steps one decode run covers (one StepOutput): runs end at the first finish,
 # arrival, admission or preemption anyway; the cap bounds one output's size.
 MAX_DECODE_RUN_STEPS = 1024
-# Steps modeled in a run's first window (then 2x, 4x, ...): runs often end within a few,
-# so modeling all MAX_DECODE_RUN_STEPS up front would mostly be wasted.
+# Steps modeled in a run's first window (then 2x, 4x, ...: _ModeledSteps): runs often end
+# within a few, so modeling all MAX_DECODE_RUN_STEPS up front would mostly be wasted.
 FIRST_DECODE_WINDOW = 8
 
 # The engine's StepStats builder: (counters before, counters after, keyword figures).
@@ -261,6 +261,86 @@ class RunLog:
         )
 
 
+class _ModeledSteps:
+    """A decode run's steps as modeled so far: run step ``t`` (counting from 0) takes
+    ``durations[t]`` (the cost model's) and produces ``tokens[:, t]`` (stand-in tokens,
+    int64 [seq, step]) for ``t`` below ``len(durations)``. ``more`` models the next
+    window of steps (FIRST_DECODE_WINDOW, then twice the last), up to ``limit`` steps:
+    the run's cap, lowered to ``eos_step`` once a window holds the first step (counting
+    from 1) in which a sequence checked for EOS samples it, which finishes it (the run's
+    last). The run asks for more only when it takes a step not modeled yet, so a run of
+    reserved steps (``DecodeRun.advance_many``) is not cut at a window's end."""
+
+    __slots__ = (
+        "durations",
+        "tokens",
+        "limit",
+        "eos_step",
+        "_window",
+        "_cost_model",
+        "_context",
+        "_bases",
+        "_samples",
+        "_positions",
+        "_vocab_size",
+        "_eos_rows",
+        "_eos",
+    )
+
+    def __init__(
+        self,
+        limit: int,
+        cost_model: CostModel,
+        context: int,
+        bases: np.ndarray,
+        samples: np.ndarray,
+        positions: np.ndarray,
+        vocab_size: int,
+        eos_rows: np.ndarray | None,
+        eos: int,
+    ) -> None:
+        """``limit``: most steps; ``context``: the batch's context tokens in step 0 (its
+        sequences' lengths, the token decoded included); per sequence ([seq] arrays): its
+        stand-in key (uint64), sample index and outputs so far (int64), and whether EOS
+        ends it (``eos_rows``, bool; None: for none)."""
+        self.durations: list[float] = []
+        self.tokens = np.empty((len(bases), 0), dtype=np.int64)
+        self.limit = limit
+        self.eos_step: int | None = None
+        self._window = FIRST_DECODE_WINDOW
+        self._cost_model = cost_model
+        self._context = context
+        self._bases = bases
+        self._samples = samples
+        self._positions = positions
+        self._vocab_size = vocab_size
+        self._eos_rows = eos_rows
+        self._eos = eos
+
+    def more(self) -> bool:
+        """Model the next window; False, changing nothing, when ``limit`` steps are
+        modeled. Mutates itself."""
+        first = len(self.durations)
+        if first >= self.limit:
+            return False
+        size = min(self._window, self.limit - first)
+        self._window *= 2
+        num_seqs = len(self._bases)
+        durations = self._cost_model.decode_run_s(num_seqs, self._context + first * num_seqs, size).tolist()
+        tokens = stand_in_tokens(self._bases, self._samples, self._positions + first, size, self._vocab_size)
+        if self._eos_rows is not None:
+            eos_hits = (tokens[self._eos_rows] == self._eos).any(axis=0)
+            if eos_hits.any():
+                size = int(eos_hits.argmax()) + 1
+                self.limit = self.eos_step = first + size
+                del durations[size:]
+                tokens = tokens[:, :size]
+        self.durations += durations
+        # (A run of reserved steps may span windows: one array, the steps' columns in order.)
+        self.tokens = np.concatenate([self.tokens, tokens], axis=1) if first else tokens
+        return True
+
+
 class FastForward:
     """Decode runs of one engine (module docstring). Holds two things between runs:
     ``prepared_counters``, the KV counters before a step a run began but could not take
@@ -367,8 +447,7 @@ class FastForward:
         max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
         context = int(lengths.sum())
-        num_seqs = len(pairs)
-        vocab, eos = tokens_of.vocab_size, self.eos_token_id
+        eos = self.eos_token_id
         check_eos = columns.stops_at_eos
         eos_rows = check_eos if check_eos.any() else None
         commit_phases = scheduler.decode_commit_phases(lengths)
@@ -378,90 +457,85 @@ class FastForward:
             context,
             (len(scheduler.waiting), len(scheduler.swapped)),
         )
+        modeled = _ModeledSteps(
+            max_steps,
+            executor.cost_model,
+            context,
+            seq_bases,
+            columns.samples,
+            positions,
+            tokens_of.vocab_size,
+            eos_rows,
+            eos,
+        )
+        durations = modeled.durations  # grows in place as steps are modeled
         start_s = now_s  # summed one step at a time, as the clock does
-        offset = 0
+        offset = 0  # steps taken
         quiet = 0  # steps ahead known not to admit anything (reserved together)
-        window = FIRST_DECODE_WINDOW
-        ended = False
-        while not ended and offset < max_steps:
-            # Step times and tokens for a window of steps at a time, doubling.
-            size = min(window, max_steps - offset)
-            window *= 2
-            durations = executor.cost_model.decode_run_s(num_seqs, context + offset * num_seqs, size).tolist()
-            tokens = stand_in_tokens(seq_bases, samples, positions + offset, size, vocab)
-            limit = size
-            if eos_rows is not None:
-                # The step in which some sequence samples EOS finishes it: the run's last.
-                eos_hits = (tokens[eos_rows] == eos).any(axis=0)
-                if eos_hits.any():
-                    limit = int(eos_hits.argmax()) + 1
-                    finish_step = min(finish_step, offset + limit)
-                    ended = True
-            index = 0
-            while index < limit:
-                if start_s >= next_arrival_s:
-                    ended = True  # the arrival is submitted before this step
-                    break
-                if quiet:
-                    # Steps the head surely cannot join (see Scheduler.quiet_decode_steps):
-                    # reserve them together, up to the arrival.
-                    num = 1
-                    end_s = start_s + durations[index]
-                    cap = min(quiet, limit - index)
-                    while num < cap and end_s < next_arrival_s:
-                        end_s += durations[index + num]
-                        num += 1
-                    token_block = tokens[:, index : index + num]  # [seq, step]
-                    step_commits = scheduler.complete_decodes_many(seqs, token_block.tolist())
-                    reserved = run.advance_many(num, step_commits)
-                    log.add_many(token_block, durations[index : index + num], reserved)
-                    quiet -= num
-                    index += num
-                    offset += num
-                    start_s = end_s
-                    continue
-                if not run.can_advance():
-                    ended = True  # a preemption: a normal step
-                    break
-                counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
-                if offset == 0:
-                    # The run's first step: one that admits a waiting group is taken here.
-                    plan = scheduler.admit_after_decodes(pairs, run)
-                    if plan is not None:
-                        # The batch decodes this one step; the admitted groups are changes.
-                        self._carry = _Carry.of(id_array, columns.advanced(1), run)
-                        return self._admission_step(
-                            batch,
-                            plan,
-                            counters0,
-                            tokens[:, 0],
-                            context,
-                            request_ids,
-                            samples,
-                            commit_phases,
-                            _finishing(to_limit, 1, eos_rows, tokens[:, 0], eos),
-                        )
-                elif not scheduler.append_decodes(pairs, run):
-                    # A waiting group starts in this step: the scheduler keeps its plan for
-                    # the next normal step, whose stats count from here.
-                    self.prepared_counters = counters0
-                    ended = True
-                    break
-                quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
-                step_tokens, duration_s = tokens[:, index], durations[index]  # one per sequence
-                scheduler.complete_decodes(seqs, step_tokens.tolist(), commit_phases, offset)
-                log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - counters0[2])
-                index += 1
-                offset += 1
-                start_s += duration_s
+        while offset < len(durations) or modeled.more():
+            if start_s >= next_arrival_s:
+                break  # the arrival is submitted before this step
+            if quiet:
+                # Steps the head surely cannot join (see Scheduler.quiet_decode_steps):
+                # reserve them together, up to the arrival, modeling more as needed.
+                num = 1
+                end_s = start_s + durations[offset]
+                while (
+                    num < quiet
+                    and end_s < next_arrival_s
+                    and (offset + num < len(durations) or modeled.more())
+                ):
+                    end_s += durations[offset + num]
+                    num += 1
+                token_block = modeled.tokens[:, offset : offset + num]  # [seq, step]
+                step_commits = scheduler.complete_decodes_many(seqs, token_block.tolist())
+                reserved = run.advance_many(num, step_commits)
+                log.add_many(token_block, durations[offset : offset + num], reserved)
+                quiet -= num
+                offset += num
+                start_s = end_s
+                continue
+            if not run.can_advance():
+                break  # a preemption: a normal step
+            counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
+            if offset == 0:
+                # The run's first step: one that admits a waiting group is taken here.
+                plan = scheduler.admit_after_decodes(pairs, run)
+                if plan is not None:
+                    # The batch decodes this one step; the admitted groups are changes.
+                    self._carry = _Carry.of(id_array, columns.advanced(1), run)
+                    first_tokens = modeled.tokens[:, 0]
+                    return self._admission_step(
+                        batch,
+                        plan,
+                        counters0,
+                        first_tokens,
+                        context,
+                        request_ids,
+                        samples,
+                        commit_phases,
+                        _finishing(to_limit, 1, eos_rows, first_tokens, eos),
+                    )
+            elif not scheduler.append_decodes(pairs, run):
+                # A waiting group starts in this step: the scheduler keeps its plan for
+                # the next normal step, whose stats count from here.
+                self.prepared_counters = counters0
+                break
+            quiet = scheduler.quiet_decode_steps(pairs, run, max_steps - offset - 1)
+            step_tokens, duration_s = modeled.tokens[:, offset], durations[offset]  # one per sequence
+            scheduler.complete_decodes(seqs, step_tokens.tolist(), commit_phases, offset)
+            log.add(step_tokens, duration_s, kv.usage_counts(), kv.num_evicted_blocks - counters0[2])
+            offset += 1
+            start_s += duration_s
         # The next run carries the batch on from here (a step reserved but left to a
         # normal step, append_decodes' False, changes every group of the batch).
         self._carry = _Carry.of(id_array, columns.advanced(offset), run)
-        # Sequences finish only in the run's last step (``finish_step``), once it is taken;
-        # its tokens are the last window's column ``index - 1`` (the run ends in the window
-        # where it reaches ``finish_step``).
+        # Sequences finish only in the run's last step (``finish_step``: the first to reach a
+        # length limit or sample EOS), once it is taken.
+        if modeled.eos_step is not None:
+            finish_step = min(finish_step, modeled.eos_step)
         if offset == finish_step:
-            candidates = _finishing(to_limit, offset, eos_rows, tokens[:, index - 1], eos)
+            candidates = _finishing(to_limit, offset, eos_rows, modeled.tokens[:, offset - 1], eos)
         else:
             candidates = []
         scheduler.finish_decodes(pairs, candidates)
