@@ -25,6 +25,7 @@ from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sched.scheduler import is_decode_ready
+from kvbench.engines.sim import fast_forward
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.fast_forward import FastForward
 from kvbench.engines.slab import SlabEngine
@@ -334,8 +335,10 @@ def test_reserved_steps_span_modeling_windows_in_one_call(check_eos, monkeypatch
     # Four requests arriving together, with room for all: once they decode, nothing waits,
     # so a run takes its first step alone and reserves every later one in one
     # advance_many call, through the windows its steps are modeled in (8, 16, 32 ...
-    # steps), up to the first finish: a length limit or, where EOS is checked (one
-    # stand-in in 60 is EOS), the first EOS, which may lie in any window.
+    # steps: no first window sized by tokens here), up to the first finish: a length
+    # limit or, where EOS is checked (one stand-in in 60 is EOS), the first EOS, which
+    # may lie in any window.
+    monkeypatch.setattr(fast_forward, "FIRST_DECODE_WINDOW_TOKENS", 0)
     spec = dataclasses.replace(SPEC, vocab_size=63, eos_token_id=10) if check_eos else SPEC
     workload = random_requests(
         4, 24, {"kind": "uniform", "low": 100, "high": 300}, vocab_size=spec.vocab_size, seed=3
@@ -713,8 +716,6 @@ def test_check_catches_running_sequences_kept_out_of_step():
 
 def test_verify_carry_catches_a_carried_batch_that_is_off(monkeypatch):
     """The differential check can fail: carried lengths that miss the run's steps."""
-    from kvbench.engines.sim import fast_forward
-
     monkeypatch.setattr(fast_forward.BatchColumns, "advanced", lambda columns, num_steps: columns)
     with pytest.raises(AssertionError, match="carried batch columns differ"):
         test_chat_with_shared_prefixes_and_poisson_arrivals()

@@ -42,9 +42,13 @@ from kvbench.types import CoveredSteps, StepOutput, StepStats
 # Most steps one decode run covers (one StepOutput): runs end at the first finish,
 # arrival, admission or preemption anyway; the cap bounds one output's size.
 MAX_DECODE_RUN_STEPS = 1024
-# Steps modeled in a run's first window (then 2x, 4x, ...: _ModeledSteps): runs often end
-# within a few, so modeling all MAX_DECODE_RUN_STEPS up front would mostly be wasted.
+# A run's first window of modeled steps (then 2x, 4x, ...: _ModeledSteps) holds at least
+# this many steps and at least FIRST_DECODE_WINDOW_TOKENS tokens (steps x sequences): runs
+# often end within a few steps, so modeling all MAX_DECODE_RUN_STEPS up front would mostly
+# be wasted, but a window costs about the same up to a thousand tokens (its calls' fixed
+# cost), so a small batch's first window is longer.
 FIRST_DECODE_WINDOW = 8
+FIRST_DECODE_WINDOW_TOKENS = 1024
 
 # The engine's StepStats builder: (counters before, counters after, keyword figures).
 StatsFn = Callable[..., StepStats]
@@ -265,7 +269,8 @@ class _ModeledSteps:
     """A decode run's steps as modeled so far: run step ``t`` (counting from 0) takes
     ``durations[t]`` (the cost model's) and produces ``tokens[:, t]`` (stand-in tokens,
     int64 [seq, step]) for ``t`` below ``len(durations)``. ``more`` models the next
-    window of steps (FIRST_DECODE_WINDOW, then twice the last), up to ``limit`` steps:
+    window of steps (the first: FIRST_DECODE_WINDOW steps or FIRST_DECODE_WINDOW_TOKENS
+    tokens, whichever is more; then twice the last), up to ``limit`` steps:
     the run's cap, lowered to ``eos_step`` once a window holds the first step (counting
     from 1) in which a sequence checked for EOS samples it, which finishes it (the run's
     last). The run asks for more only when it takes a step not modeled yet, so a run of
@@ -307,7 +312,7 @@ class _ModeledSteps:
         self.tokens = np.empty((len(bases), 0), dtype=np.int64)
         self.limit = limit
         self.eos_step: int | None = None
-        self._window = FIRST_DECODE_WINDOW
+        self._window = max(FIRST_DECODE_WINDOW, FIRST_DECODE_WINDOW_TOKENS // max(len(bases), 1))
         self._cost_model = cost_model
         self._context = context
         self._bases = bases
