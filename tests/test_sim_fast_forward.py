@@ -24,7 +24,7 @@ from sim_workloads import mooncake_head
 from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sched.scheduler import is_decode_ready
+from kvbench.engines.sched.scheduler import Scheduler, is_decode_ready
 from kvbench.engines.sim import fast_forward
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.fast_forward import FastForward
@@ -67,7 +67,7 @@ class CountingSlabEngine(StepCounting, SlabEngine):
 
 def run(
     workload: Workload,
-    fast_forward: bool,
+    fast: bool,
     spec: ModelSpec = SPEC,
     engine_cls: type[PagedEngine] = CountingEngine,
     **params: object,
@@ -77,7 +77,7 @@ def run(
     engine = engine_cls(
         ctx,
         executor=CostModelExecutor.from_context(ctx, block_size=block_size),
-        fast_forward=fast_forward,
+        fast_forward=fast,
         **params,
     )
     raw = replay(engine, workload, SimClock())
@@ -336,10 +336,10 @@ def test_reserved_steps_span_modeling_windows_in_one_call(check_eos, monkeypatch
     # so a run takes its first step alone and reserves every later one in one
     # advance_many call, through the windows its steps are modeled in (8, 16, 32 ...
     # steps: no first window sized by tokens here), up to the first finish: a length
-    # limit or, where EOS is checked (one stand-in in 60 is EOS), the first EOS, which
-    # may lie in any window.
+    # limit or, where EOS is checked (one stand-in in 200 is EOS), the first EOS, which
+    # may lie in any window (here past the first two).
     monkeypatch.setattr(fast_forward, "FIRST_DECODE_WINDOW_TOKENS", 0)
-    spec = dataclasses.replace(SPEC, vocab_size=63, eos_token_id=10) if check_eos else SPEC
+    spec = dataclasses.replace(SPEC, vocab_size=203, eos_token_id=10) if check_eos else SPEC
     workload = random_requests(
         4, 24, {"kind": "uniform", "low": 100, "high": 300}, vocab_size=spec.vocab_size, seed=3
     )
@@ -366,7 +366,37 @@ def test_reserved_steps_span_modeling_windows_in_one_call(check_eos, monkeypatch
     assert max(reserved) > 8 + 16  # a reservation reached past the second window
     if check_eos:
         slow, _ = run(workload, False, spec, num_blocks=256)
-        assert min(len(out[0]) for out in slow.outputs.values()) < 100  # EOS ended one early
+        limits = {request.request_id: request.max_new_tokens for request in workload.requests}
+        # EOS ended one early, in a step past the first two windows (8 + 16) of its run.
+        assert any(8 + 16 < len(out[0]) < limits[request_id] for request_id, out in slow.outputs.items())
+
+
+@pytest.mark.parametrize("check_eos", [False, True])
+def test_runs_taking_steps_one_at_a_time_span_modeling_windows(check_eos, monkeypatch):
+    # The same four requests with no step known quiet (0 is always a safe answer): every
+    # step after a run's first goes alone, and the run models its next window of steps
+    # when it reaches the end of the last, up to the first finish.
+    monkeypatch.setattr(fast_forward, "FIRST_DECODE_WINDOW_TOKENS", 0)
+    monkeypatch.setattr(Scheduler, "quiet_decode_steps", lambda scheduler, pairs, run, max_steps: 0)
+    spec = dataclasses.replace(SPEC, vocab_size=203, eos_token_id=10) if check_eos else SPEC
+    workload = random_requests(
+        4, 24, {"kind": "uniform", "low": 100, "high": 300}, vocab_size=spec.vocab_size, seed=3
+    )
+    workload = Workload(
+        workload.name, tuple(dataclasses.replace(r, ignore_eos=not check_eos) for r in workload.requests)
+    )
+    steps_per_run: list[int] = []
+    fast_run = FastForward.run
+
+    def counting_run(fast, *args):  # type: ignore[no-untyped-def]
+        output = fast_run(fast, *args)
+        if output is not None and output.covered_steps is not None:
+            steps_per_run.append(len(output.covered_steps.durations_s))
+        return output
+
+    monkeypatch.setattr(FastForward, "run", counting_run)
+    assert_identical(workload, min_covered_share=0.9, spec=spec, num_blocks=256)
+    assert max(steps_per_run) > 8 + 16  # a run went on past its second window
 
 
 def test_runs_after_sample_0_finished():

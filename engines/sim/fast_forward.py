@@ -43,7 +43,8 @@ from kvbench.types import CoveredSteps, StepOutput, StepStats
 # arrival, admission or preemption anyway; the cap bounds one output's size.
 MAX_DECODE_RUN_STEPS = 1024
 # A run's first window of modeled steps (then 2x, 4x, ...: _ModeledSteps) holds at least
-# this many steps and at least FIRST_DECODE_WINDOW_TOKENS tokens (steps x sequences): runs
+# this many steps and at least FIRST_DECODE_WINDOW_TOKENS tokens (steps x sequences), or
+# every step the run may take where it may take fewer: runs
 # often end within a few steps, so modeling all MAX_DECODE_RUN_STEPS up front would mostly
 # be wasted, but a window costs about the same up to a thousand tokens (its calls' fixed
 # cost), so a small batch's first window is longer.
@@ -267,8 +268,9 @@ class RunLog:
 
 class _ModeledSteps:
     """A decode run's steps as modeled so far: run step ``t`` (counting from 0) takes
-    ``durations[t]`` (the cost model's) and produces ``tokens[:, t]`` (stand-in tokens,
-    int64 [seq, step]) for ``t`` below ``len(durations)``. ``more`` models the next
+    ``durations[t]`` seconds (the cost model's) and produces ``tokens[:, t]`` (stand-in
+    tokens, int64 [seq, step]) for ``t`` below ``len(durations)``. ``more`` extends
+    ``durations`` in place (a caller may hold the list) and replaces ``tokens``. ``more`` models the next
     window of steps (the first: FIRST_DECODE_WINDOW steps or FIRST_DECODE_WINDOW_TOKENS
     tokens, whichever is more; then twice the last), up to ``limit`` steps:
     the run's cap, lowered to ``eos_step`` once a window holds the first step (counting
@@ -312,7 +314,7 @@ class _ModeledSteps:
         self.tokens = np.empty((len(bases), 0), dtype=np.int64)
         self.limit = limit
         self.eos_step: int | None = None
-        self._window = max(FIRST_DECODE_WINDOW, FIRST_DECODE_WINDOW_TOKENS // max(len(bases), 1))
+        self._window = max(FIRST_DECODE_WINDOW, -(-FIRST_DECODE_WINDOW_TOKENS // len(bases)))
         self._cost_model = cost_model
         self._context = context
         self._bases = bases
@@ -477,9 +479,8 @@ class FastForward:
         start_s = now_s  # summed one step at a time, as the clock does
         offset = 0  # steps taken
         quiet = 0  # steps ahead known not to admit anything (reserved together)
-        while offset < len(durations) or modeled.more():
-            if start_s >= next_arrival_s:
-                break  # the arrival is submitted before this step
+        # (The arrival is submitted before a step that would start at or after it.)
+        while start_s < next_arrival_s and (offset < len(durations) or modeled.more()):
             if quiet:
                 # Steps the head surely cannot join (see Scheduler.quiet_decode_steps):
                 # reserve them together, up to the arrival, modeling more as needed.
@@ -538,7 +539,7 @@ class FastForward:
         # Sequences finish only in the run's last step (``finish_step``: the first to reach a
         # length limit or sample EOS), once it is taken.
         if modeled.eos_step is not None:
-            finish_step = min(finish_step, modeled.eos_step)
+            finish_step = modeled.eos_step  # <= max_steps <= the length limits' finish_step
         if offset == finish_step:
             candidates = _finishing(to_limit, offset, eos_rows, modeled.tokens[:, offset - 1], eos)
         else:
