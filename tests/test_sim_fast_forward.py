@@ -330,6 +330,17 @@ def test_eos_ends_runs_when_not_ignored():
     assert_identical(workload, spec=spec, num_blocks=128)
 
 
+def _four_long_requests(check_eos: bool) -> tuple[ModelSpec, Workload]:
+    """Four requests arriving together, 100 to 300 output tokens each; where EOS is
+    checked, one stand-in in 200 is EOS (vocabulary 203). Pure."""
+    spec = dataclasses.replace(SPEC, vocab_size=203, eos_token_id=10) if check_eos else SPEC
+    workload = random_requests(
+        4, 24, {"kind": "uniform", "low": 100, "high": 300}, vocab_size=spec.vocab_size, seed=3
+    )
+    requests = tuple(dataclasses.replace(r, ignore_eos=not check_eos) for r in workload.requests)
+    return spec, Workload(workload.name, requests)
+
+
 @pytest.mark.parametrize("check_eos", [False, True])
 def test_reserved_steps_span_modeling_windows_in_one_call(check_eos, monkeypatch):
     # Four requests arriving together, with room for all: once they decode, nothing waits,
@@ -339,13 +350,7 @@ def test_reserved_steps_span_modeling_windows_in_one_call(check_eos, monkeypatch
     # limit or, where EOS is checked (one stand-in in 200 is EOS), the first EOS, which
     # may lie in any window (here past the first two).
     monkeypatch.setattr(fast_forward, "FIRST_DECODE_WINDOW_TOKENS", 0)
-    spec = dataclasses.replace(SPEC, vocab_size=203, eos_token_id=10) if check_eos else SPEC
-    workload = random_requests(
-        4, 24, {"kind": "uniform", "low": 100, "high": 300}, vocab_size=spec.vocab_size, seed=3
-    )
-    workload = Workload(
-        workload.name, tuple(dataclasses.replace(r, ignore_eos=not check_eos) for r in workload.requests)
-    )
+    spec, workload = _four_long_requests(check_eos)
     calls_per_run: list[int] = []
     reserved: list[int] = []
     fast_run, advance_many = FastForward.run, PagedDecodeRun.advance_many
@@ -378,13 +383,7 @@ def test_runs_taking_steps_one_at_a_time_span_modeling_windows(check_eos, monkey
     # when it reaches the end of the last, up to the first finish.
     monkeypatch.setattr(fast_forward, "FIRST_DECODE_WINDOW_TOKENS", 0)
     monkeypatch.setattr(Scheduler, "quiet_decode_steps", lambda scheduler, pairs, run, max_steps: 0)
-    spec = dataclasses.replace(SPEC, vocab_size=203, eos_token_id=10) if check_eos else SPEC
-    workload = random_requests(
-        4, 24, {"kind": "uniform", "low": 100, "high": 300}, vocab_size=spec.vocab_size, seed=3
-    )
-    workload = Workload(
-        workload.name, tuple(dataclasses.replace(r, ignore_eos=not check_eos) for r in workload.requests)
-    )
+    spec, workload = _four_long_requests(check_eos)
     steps_per_run: list[int] = []
     fast_run = FastForward.run
 

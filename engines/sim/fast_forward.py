@@ -44,10 +44,10 @@ from kvbench.types import CoveredSteps, StepOutput, StepStats
 MAX_DECODE_RUN_STEPS = 1024
 # A run's first window of modeled steps (then 2x, 4x, ...: _ModeledSteps) holds at least
 # this many steps and at least FIRST_DECODE_WINDOW_TOKENS tokens (steps x sequences), or
-# every step the run may take where it may take fewer: runs
-# often end within a few steps, so modeling all MAX_DECODE_RUN_STEPS up front would mostly
-# be wasted, but a window costs about the same up to a thousand tokens (its calls' fixed
-# cost), so a small batch's first window is longer.
+# every step the run may take where that is fewer. Runs often end within a few steps, so
+# modeling all MAX_DECODE_RUN_STEPS up front would mostly be wasted; but a window costs
+# about the same up to a thousand tokens (its calls' fixed cost), so a small batch's first
+# window is longer.
 FIRST_DECODE_WINDOW = 8
 FIRST_DECODE_WINDOW_TOKENS = 1024
 
@@ -269,14 +269,15 @@ class RunLog:
 class _ModeledSteps:
     """A decode run's steps as modeled so far: run step ``t`` (counting from 0) takes
     ``durations[t]`` seconds (the cost model's) and produces ``tokens[:, t]`` (stand-in
-    tokens, int64 [seq, step]) for ``t`` below ``len(durations)``. ``more`` extends
-    ``durations`` in place (a caller may hold the list) and replaces ``tokens``. ``more`` models the next
-    window of steps (the first: FIRST_DECODE_WINDOW steps or FIRST_DECODE_WINDOW_TOKENS
-    tokens, whichever is more; then twice the last), up to ``limit`` steps:
-    the run's cap, lowered to ``eos_step`` once a window holds the first step (counting
-    from 1) in which a sequence checked for EOS samples it, which finishes it (the run's
-    last). The run asks for more only when it takes a step not modeled yet, so a run of
-    reserved steps (``DecodeRun.advance_many``) is not cut at a window's end."""
+    tokens, int64 [seq, step]) for ``t`` below ``len(durations)``.
+
+    ``more`` models the next window of steps (the first: FIRST_DECODE_WINDOW steps or
+    FIRST_DECODE_WINDOW_TOKENS tokens, whichever is more; then twice the last), up to
+    ``limit`` steps: the run's cap, lowered to ``eos_step`` once a window holds the first
+    step (counting from 1) in which a sequence checked for EOS samples it, which finishes
+    it (the run's last). It extends ``durations`` in place (the run holds the list) and
+    replaces ``tokens``. The run asks for more only when it takes a step not modeled yet,
+    so a run of reserved steps (``DecodeRun.advance_many``) is not cut at a window's end."""
 
     __slots__ = (
         "durations",
