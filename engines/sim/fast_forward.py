@@ -282,8 +282,8 @@ class _ModeledSteps:
     __slots__ = (
         "durations",
         "tokens",
-        "limit",
         "eos_step",
+        "_limit",
         "_window",
         "_cost_model",
         "_context",
@@ -313,7 +313,7 @@ class _ModeledSteps:
         ends it (``eos_rows``, bool; None: for none)."""
         self.durations: list[float] = []
         self.tokens = np.empty((len(bases), 0), dtype=np.int64)
-        self.limit = limit
+        self._limit = limit
         self.eos_step: int | None = None
         self._window = max(FIRST_DECODE_WINDOW, -(-FIRST_DECODE_WINDOW_TOKENS // len(bases)))
         self._cost_model = cost_model
@@ -326,12 +326,12 @@ class _ModeledSteps:
         self._eos = eos
 
     def more(self) -> bool:
-        """Model the next window; False, changing nothing, when ``limit`` steps are
-        modeled. Mutates itself."""
+        """Model the next window; False, changing nothing, when every step up to the cap
+        (``limit``, or ``eos_step`` once found) is modeled. Mutates itself."""
         first = len(self.durations)
-        if first >= self.limit:
+        if first >= self._limit:
             return False
-        size = min(self._window, self.limit - first)
+        size = min(self._window, self._limit - first)
         self._window *= 2
         num_seqs = len(self._bases)
         durations = self._cost_model.decode_run_s(num_seqs, self._context + first * num_seqs, size).tolist()
@@ -340,7 +340,7 @@ class _ModeledSteps:
             eos_hits = (tokens[self._eos_rows] == self._eos).any(axis=0)
             if eos_hits.any():
                 size = int(eos_hits.argmax()) + 1
-                self.limit = self.eos_step = first + size
+                self._limit = self.eos_step = first + size
                 del durations[size:]
                 tokens = tokens[:, :size]
         self.durations += durations
@@ -450,7 +450,6 @@ class FastForward:
         to_limit = columns.max_new_tokens - positions
         finish_step = min(MAX_DECODE_RUN_STEPS + 1, int(to_limit.min()))
         request_ids = columns.request_ids.tolist()
-        seq_bases = columns.bases
         samples = columns.samples.tolist()
         max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
@@ -469,7 +468,7 @@ class FastForward:
             max_steps,
             executor.cost_model,
             context,
-            seq_bases,
+            columns.bases,
             columns.samples,
             positions,
             tokens_of.vocab_size,
