@@ -413,7 +413,7 @@ def test_decode_steps_in_one_pass_equal_stepping_with_commits(
     prompts, warm, spans, num_blocks, seed, uncommitted
 ):
     """``PagedDecodeRun.advance_many`` with the steps' commits (the prefix index's compiled pass,
-    ``allocate_decode_steps``, in spans; spans it declines one step at a time) against
+    ``allocate_decode_steps``, one per call; a call it declines one step at a time) against
     ``advance`` then ``commit_many`` step by step: the same blocks, claims, registrations,
     drops, keys and per-step counts. Two-letter ids make sequences write equal blocks, and
     the warm-up leaves cached blocks in the free list for the steps to reuse. A sequence
@@ -462,8 +462,9 @@ def test_a_decode_block_in_an_array_prompts_tail_is_batched_under_its_own_ids():
 
 
 def test_a_declined_span_is_stepped_with_the_same_outcome(monkeypatch):
-    """The span ``allocate_decode_steps`` declines (a first decode commit that completes
-    two blocks) goes one step at a time, with the same outcome as stepping."""
+    """A call whose steps ``allocate_decode_steps`` declines (a first decode commit that
+    completes two blocks) goes one step at a time, its blocks first taken back out of the
+    tables, with the same outcome as stepping; the next call is one compiled pass."""
     declined = []
     allocate = BlockHashPrefixIndex.allocate_decode_steps
 
@@ -473,13 +474,31 @@ def test_a_declined_span_is_stepped_with_the_same_outcome(monkeypatch):
         return taken
 
     monkeypatch.setattr(BlockHashPrefixIndex, "allocate_decode_steps", spy)
-    # Seqs 0-2 take blocks in steps 0-2 (the first span), seq 3 in step 3, seq 0 in step
-    # 4; seq 0 (uncommitted) first commits three blocks in step 3, so the second span is
-    # declined and must hand its blocks to seqs 3 and 0, not to the first span's takers.
+    # Seqs 0-2 take blocks in steps 0-2, seq 3 in step 3, seq 0 in step 4; seq 0
+    # (uncommitted) first commits three blocks in step 3, so the first call (9 steps) is
+    # declined: each step must hand its blocks to its own takers.
     prompts = [[4, 4, 4, 4, 3, 3, 3, 3], [4, 4, 3], [3, 3, 3, 3, 4, 4], [3, 4, 4, 3, 3]]
     uncommitted = [True, False, False, False]
     _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [9, 11, 6], 40, 7, uncommitted)
-    assert declined[:2] == [False, True]
+    assert declined[:2] == [True, False]
+
+
+def test_a_call_registers_blocks_it_takes_in_one_compiled_pass(monkeypatch):
+    """A call of three block-lengths of steps registers, in one compiled pass, blocks taken
+    within it (each sequence takes a block in steps 0-3 and fills it by step 7), with the
+    same outcome as stepping."""
+    declined = []
+    allocate = BlockHashPrefixIndex.allocate_decode_steps
+
+    def spy(self, pool, needs, commits):
+        taken = allocate(self, pool, needs, commits)
+        declined.append(taken is None)
+        return taken
+
+    monkeypatch.setattr(BlockHashPrefixIndex, "allocate_decode_steps", spy)
+    prompts = [[4, 4, 4, 4, 3, 3, 3, 3], [4, 4, 3], [3, 3, 3, 3, 4, 4], [3, 4, 4, 3, 3]]
+    _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [3 * BS], 40, 7, [False] * 4)
+    assert declined == [False]
 
 
 def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncommitted):

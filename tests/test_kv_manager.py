@@ -787,6 +787,37 @@ def test_num_quiet_steps_counts_steps_whose_blocks_keep_the_guarded_prompt_out()
     assert m.pool.free_blocks()[:6] == upcoming  # pure
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    block_size=st.integers(1, 6),
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=5),
+    spare_blocks=st.integers(0, 30),
+    steps_before=st.integers(0, 9),
+    max_steps=st.integers(0, 60),
+)
+def test_num_quiet_steps_is_the_longest_stretch_of_steps_the_free_blocks_cover(
+    block_size, lengths, spare_blocks, steps_before, max_steps
+):
+    """With nothing to guard, ``num_quiet_steps`` equals stepping a twin run while its next
+    step's blocks are free, up to ``max_steps``, at any block size and any point of a run
+    (the steps' blocks repeat with period ``block_size``)."""
+    num_blocks = sum(-(-(length + steps_before) // block_size) for length in lengths) + spare_blocks
+    managers = [PagedKVManager(num_blocks, block_size, 1, BlockHashPrefixIndex()) for _ in range(2)]
+    runs = []
+    for m in managers:
+        for seq_id, length in enumerate(lengths):
+            m.allocate(seq_id, [7 + seq_id] * length, length, None)
+        runs.append(m.decode_run(list(range(len(lengths)))))
+        for _ in range(steps_before):
+            runs[-1].advance()
+    run, twin = runs
+    stepped = 0
+    while stepped < max_steps and twin.num_new_blocks() <= managers[1].pool.num_free:
+        twin.advance()
+        stepped += 1
+    assert run.num_quiet_steps(None, max_steps) == stepped
+
+
 GUARD_SEEDS = 40
 
 

@@ -150,7 +150,13 @@ class BlockPool:
 
     def free_blocks(self) -> list[int]:
         """Free block ids from head (next reused) to tail. O(num_free); for tests and checks."""
+        # One past num_free: a list longer than its count shows in the checks.
         return native.free_list_head(self._st, self.num_free + 1).tolist()
+
+    def next_free(self, num_blocks: int) -> np.ndarray:
+        """The blocks the next allocations take, in order: the free list's first
+        ``num_blocks`` (all of it when shorter), head first, int64 [n]. O(n). Pure."""
+        return native.free_list_head(self._st, max(num_blocks, 0))
 
     @property
     def reuse_listener(self) -> Callable[[np.ndarray], None] | None:

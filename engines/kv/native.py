@@ -643,32 +643,34 @@ def decode_takers(first_need, num_steps, block_size):  # pragma: no cover - comp
 
 @njit(cache=True, nogil=True)
 def settle_decode_claims(
-    claimed, seq_refs, offsets, lasts_before, lasts_after, fresh, num_steps, block_size
+    claimed, seq_refs, offsets, lasts, takers, fresh, num_steps, block_size
 ):  # pragma: no cover - compiled
     """The claims ``num_steps`` decode steps leave (``PagedDecodeRun.advance_many``), per
-    row: ``offsets`` its slots modulo ``block_size`` before them, ``lasts_before`` /
-    ``lasts_after`` its last block before / after them; ``fresh`` the blocks they took.
-    A partial last block (offset > 0) claims ``min(offset + num_steps, block_size)``
-    slots, each fresh block all of them and its first sequence reference, and a row that
-    took a block and ends mid-block ``(offset + num_steps) % block_size`` of its new
-    last. Partial last blocks are distinct (a run's precondition). Returns what the
-    first step's overwrite changes the claimed-slot count by: the sum of ``offset -
-    claimed`` over partial rows (zero or negative: stale claims past a row's slots go)."""
+    row: ``offsets`` its slots modulo ``block_size`` before them, ``lasts`` its last block
+    before them, which becomes its last block after them: row ``takers[k]`` took block
+    ``fresh[k]``, ``k`` in order (int64 each). A partial last block (offset > 0) claims
+    ``min(offset + num_steps, block_size)`` slots, each fresh block all of them and its
+    first sequence reference, and a row that took a block and ends mid-block ``(offset +
+    num_steps) % block_size`` of its new last. Partial last blocks are distinct (a run's
+    precondition). Returns what the first step's overwrite changes the claimed-slot
+    count by: the sum of ``offset - claimed`` over partial rows (zero or negative: stale
+    claims past a row's slots go). Mutates ``claimed``, ``seq_refs`` and ``lasts``."""
     stale = 0
     for i in range(offsets.shape[0]):
         offset = offsets[i]
         if offset:
-            b = lasts_before[i]
+            b = lasts[i]
             stale += offset - claimed[b]
             claimed[b] = min(offset + num_steps, block_size)
     for k in range(fresh.shape[0]):
         claimed[fresh[k]] = block_size
         seq_refs[fresh[k]] = 1
+        lasts[takers[k]] = fresh[k]
     for i in range(offsets.shape[0]):
         offset = offsets[i]
         end = (offset + num_steps) % block_size
         if end and (offset == 0 or offset + num_steps > block_size):  # it took a block
-            claimed[lasts_after[i]] = end
+            claimed[lasts[i]] = end
     return stale
 
 

@@ -1057,8 +1057,8 @@ class PagedDecodeRun:
         taken (the cached ones already dropped from the prefix index) and before step
         ``t + 1``'s, so an index sees drops and registrations interleaved exactly as step
         by step; slot counts already include all ``num_steps`` steps, claims are settled
-        at the end. Steps go to the prefix index in spans
-        (``PrefixIndex.allocate_decode_steps``: one compiled pass each), a span it declines
+        at the end. The steps go to the prefix index together
+        (``PrefixIndex.allocate_decode_steps``: one compiled pass); a call it declines goes
         one step at a time. Returns, per step, the manager's ``usage_counts`` after it and
         how many cached blocks it reused (evictions). Only for an index that holds no
         blocks and when the steps' blocks are free (``num_quiet_steps``); raises
@@ -1104,58 +1104,52 @@ class PagedDecodeRun:
             raise
         # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
         steps: list[tuple[int, int, int]] = []
-        lasts = self._lasts.copy()  # [seq] last blocks as the spans append
-        taken_blocks: list[np.ndarray] = []  # every block these steps take, in pool order
-        # A block taken in a span fills and registers bs - 1 steps later at the earliest:
-        # spans shorter than that commit only blocks already in the tables. A span has
-        # at most bs - 1 steps (one when bs is 1), so a sequence takes at most one block
-        # in it.
-        span = max(bs - 1, 1)
-        at = 0  # the span's first entry of takers
-        for first in range(0, num_steps, span):
-            last = min(first + span, num_steps)
-            span_needs = needs[first:last]
-            span_takers = takers[at : at + sum(span_needs)]
-            rows = rows_per_step[first:last]
-            free, cached = pool.num_free, pool.num_cached_free
-            taken = index.allocate_decode_steps(pool, np.array(span_needs, dtype=np.int64), rows)
-            if taken is None:
-                span_blocks: list[int] = []
-                for t, need in zip(range(first, last), span_needs):
-                    cached_before = pool.num_cached_free
-                    if need:
-                        blocks = pool.allocate_many(need)
-                        step_takers = span_takers[len(span_blocks) : len(span_blocks) + need]
-                        for row, b in zip(step_takers.tolist(), blocks):
-                            seqs[row].block_ids.append(b)
-                        span_blocks += blocks
-                        in_use += need
-                    # Read before the commits (which register in-use blocks only, changing neither).
-                    steps.append(
-                        (in_use, pool.num_free - pool.num_cached_free, cached_before - pool.num_cached_free)
-                    )
-                    if commits:
-                        kv.commit_many(commits[t])
-                span_array = np.array(span_blocks, dtype=np.int64)
-            else:
-                span_array, reused_per_step = taken
-                for row, b in zip(span_takers.tolist(), span_array.tolist()):
-                    seqs[row].block_ids.append(b)
-                for need, num_reused in zip(span_needs, reused_per_step.tolist()):
+        free, cached = pool.num_free, pool.num_cached_free
+        # The blocks the steps take, in the order the pool hands them out (its free list's
+        # head), go into the tables first: the prefix index reads a decode commit's block
+        # there, so one compiled pass covers every step, commits of blocks taken within it
+        # included (a block taken in step t fills in step t + bs - 1 at the earliest).
+        fresh = pool.next_free(total)  # int64 [total]
+        for row, block in zip(takers.tolist(), fresh.tolist()):
+            seqs[row].block_ids.append(block)
+        taken = index.allocate_decode_steps(pool, np.array(needs, dtype=np.int64), rows_per_step)
+        if taken is None:
+            # Declined (an entry that is no decode commit): the blocks come back out of the
+            # tables, then the steps go one at a time, as advance then commit_many.
+            for row, num_taken in enumerate(np.bincount(takers, minlength=num_seqs).tolist()):
+                if num_taken:
+                    del seqs[row].block_ids[-num_taken:]
+            taken_blocks: list[int] = []
+            at = 0  # the step's first entry of takers
+            for t, need in enumerate(needs):
+                cached_before = pool.num_cached_free
+                if need:
+                    blocks = pool.allocate_many(need)
+                    for row, b in zip(takers[at : at + need].tolist(), blocks):
+                        seqs[row].block_ids.append(b)
+                    taken_blocks += blocks
                     in_use += need
-                    free -= need
-                    cached -= num_reused
-                    steps.append((in_use, free - cached, num_reused))
-            lasts[span_takers] = span_array  # distinct rows within a span
-            taken_blocks.append(span_array)
-            at += len(span_takers)
+                    at += need
+                # Read before the commits (which register in-use blocks only, changing neither).
+                steps.append(
+                    (in_use, pool.num_free - pool.num_cached_free, cached_before - pool.num_cached_free)
+                )
+                if t < len(rows_per_step) and rows_per_step[t]:
+                    index.commit_many(rows_per_step[t])
+        else:
+            taken_blocks, reused_per_step = taken
+            for need, num_reused in zip(needs, reused_per_step.tolist()):
+                in_use += need
+                free -= need
+                cached -= num_reused
+                steps.append((in_use, free - cached, num_reused))
+        # (The pool pops its free list's head, and commits move no block in or out of it.)
+        assert np.array_equal(taken_blocks, fresh), "decode run: the pool handed out other blocks"
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped);
-        # self._lasts is current for partial last blocks (rows_now).
-        fresh = np.concatenate(taken_blocks) if taken_blocks else np.zeros(0, dtype=np.int64)
+        # self._lasts becomes current for partial last blocks (rows_now).
         stale = native.settle_decode_claims(
-            kv._claimed, kv._seq_refs, offsets, self._lasts, lasts, fresh, num_steps, bs
+            kv._claimed, kv._seq_refs, offsets, self._lasts, takers, fresh, num_steps, bs
         )
-        self._lasts = lasts
         kv._num_blocks_in_use += total
         kv._num_token_slots += num_steps * num_seqs + stale
         self._num_steps += num_steps
