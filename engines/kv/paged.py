@@ -1119,7 +1119,7 @@ class PagedDecodeRun:
             for row, num_taken in enumerate(np.bincount(takers, minlength=num_seqs).tolist()):
                 if num_taken:
                     del seqs[row].block_ids[-num_taken:]
-            taken_blocks: list[int] = []
+            stepped: list[int] = []  # the blocks taken, in order
             at = 0  # the step's first entry of takers
             for t, need in enumerate(needs):
                 cached_before = pool.num_cached_free
@@ -1127,7 +1127,7 @@ class PagedDecodeRun:
                     blocks = pool.allocate_many(need)
                     for row, b in zip(takers[at : at + need].tolist(), blocks):
                         seqs[row].block_ids.append(b)
-                    taken_blocks += blocks
+                    stepped += blocks
                     in_use += need
                     at += need
                 # Read before the commits (which register in-use blocks only, changing neither).
@@ -1136,6 +1136,7 @@ class PagedDecodeRun:
                 )
                 if t < len(rows_per_step) and rows_per_step[t]:
                     index.commit_many(rows_per_step[t])
+            taken_blocks = np.array(stepped, dtype=np.int64)
         else:
             taken_blocks, reused_per_step = taken
             for need, num_reused in zip(needs, reused_per_step.tolist()):
@@ -1143,8 +1144,9 @@ class PagedDecodeRun:
                 free -= need
                 cached -= num_reused
                 steps.append((in_use, free - cached, num_reused))
-        # (The pool pops its free list's head, and commits move no block in or out of it.)
-        assert np.array_equal(taken_blocks, fresh), "decode run: the pool handed out other blocks"
+        # (The pool pops its free list's head, and commits move no block in or out of it.
+        # Compared as bytes, int64 both: np.array_equal's Python-level checks cost more.)
+        assert taken_blocks.tobytes() == fresh.tobytes(), "decode run: the pool handed out other blocks"
         # Final claims: what num_steps in-place writes and fresh blocks leave (telescoped);
         # self._lasts becomes current for partial last blocks (rows_now).
         stale = native.settle_decode_claims(

@@ -448,15 +448,17 @@ class FastForward:
         positions = lengths - columns.num_prompt_tokens  # outputs so far
         # Steps until each sequence's length limit (its last token in step ``to_limit``).
         to_limit = columns.max_new_tokens - positions
-        finish_step = min(MAX_DECODE_RUN_STEPS + 1, int(to_limit.min()))
+        # (Reductions by the ufuncs' own methods: ndarray.min/sum/any go through numpy's
+        # Python-level wrappers, which cost more than the reduction of a batch.)
+        finish_step = min(MAX_DECODE_RUN_STEPS + 1, int(np.minimum.reduce(to_limit)))
         request_ids = columns.request_ids.tolist()
         samples = columns.samples.tolist()
         max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
-        context = int(lengths.sum())
+        context = int(np.add.reduce(lengths))
         eos = self.eos_token_id
         check_eos = columns.stops_at_eos
-        eos_rows = check_eos if check_eos.any() else None
+        eos_rows = check_eos if np.logical_or.reduce(check_eos) else None
         commit_phases = scheduler.decode_commit_phases(lengths)
         log = RunLog(
             request_ids,
