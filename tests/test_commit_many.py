@@ -341,10 +341,10 @@ def test_allocate_decode_steps_raises_on_an_unknown_seq_changing_nothing(empty_s
     m.check()
 
 
-def test_allocate_decode_steps_declines_a_span_that_stops_in_a_later_step_changing_nothing():
-    """A span whose later step holds an entry that is no decode commit (seq 1 completing
+def test_allocate_decode_steps_declines_a_call_that_stops_in_a_later_step_changing_nothing():
+    """A call whose later step holds an entry that is no decode commit (seq 1 completing
     two blocks at once) is declined (None) as a whole: the decode commit of step 0 stays
-    unregistered, so the caller can step the span one at a time. (No step takes a block
+    unregistered, so the caller can take the steps one at a time. (No step takes a block
     here: blocks the index takes belong to the manager's tables, which this bypasses.)"""
     m, ids = _decoding_index(2)
     index, pool = m.prefix_index, m.pool
@@ -362,7 +362,7 @@ def test_allocate_decode_steps_declines_a_span_that_stops_in_a_later_step_changi
         index.registration(1),
     ) == before
     m.check()
-    # Without the last step the same span goes through in one pass.
+    # Without the last step the same call goes through in one pass.
     assert index.allocate_decode_steps(pool, np.zeros(2, dtype=np.int64), rows[:2]) is not None
     assert index.registration(0)[0] == 2
     m.check()
@@ -404,13 +404,13 @@ def test_a_radix_index_commits_one_entry_at_a_time():
 @given(
     prompts=st.lists(st.lists(st.integers(3, 4), min_size=1, max_size=13), min_size=1, max_size=6),
     warm=st.lists(st.lists(st.integers(3, 4), min_size=4, max_size=12), max_size=4),
-    spans=st.lists(st.integers(1, 11), min_size=1, max_size=4),
+    calls=st.lists(st.integers(1, 11), min_size=1, max_size=4),
     num_blocks=st.integers(14, 40),
     seed=st.integers(0, 2**16),
     uncommitted=st.lists(st.booleans(), min_size=6, max_size=6),
 )
 def test_decode_steps_in_one_pass_equal_stepping_with_commits(
-    prompts, warm, spans, num_blocks, seed, uncommitted
+    prompts, warm, calls, num_blocks, seed, uncommitted
 ):
     """``PagedDecodeRun.advance_many`` with the steps' commits (the prefix index's compiled pass,
     ``allocate_decode_steps``, one per call; a call it declines one step at a time) against
@@ -419,7 +419,87 @@ def test_decode_steps_in_one_pass_equal_stepping_with_commits(
     the warm-up leaves cached blocks in the free list for the steps to reuse. A sequence
     whose prompt was never committed (``uncommitted``) completes several blocks in its
     first decode commit, which the index declines to batch."""
-    _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncommitted)
+    _decode_steps_against_stepping(prompts, warm, calls, num_blocks, seed, uncommitted)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(3, 4), min_size=1, max_size=7), min_size=1, max_size=5),
+    warm=st.lists(st.lists(st.integers(3, 4), min_size=2, max_size=6), max_size=4),
+    calls=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    block_size=st.integers(1, 3),
+    num_blocks=st.integers(6, 14),
+    seed=st.integers(0, 2**16),
+    uncommitted=st.lists(st.booleans(), min_size=5, max_size=5),
+    trim_commits=st.booleans(),
+)
+def test_decode_steps_in_one_pass_equal_stepping_at_small_block_sizes_and_pools(
+    prompts, warm, calls, block_size, num_blocks, seed, uncommitted, trim_commits
+):
+    """The same at block sizes 1-3 in pools of 6-14 blocks, where a step often reuses a
+    cached block (dropping its key) that a commit of the same step registers again: the
+    step's drops must come before its registrations, in one pass and stepped alike. Calls
+    may give commits only up to their last committing step."""
+    _decode_steps_against_stepping(
+        prompts, warm, calls, num_blocks, seed, uncommitted, block_size, trim_commits
+    )
+
+
+def _one_decoding_seq() -> tuple[PagedKVManager, KeyedTokenIds, object]:
+    """Seq 0 with a 5-token prompt committed (block 0), in decode state (6 tokens), its
+    run's next 7 tokens appended: (manager, its ids, its decode run). Step t of the run
+    leaves it 6 + t slots; block 1 holds slots 4-7, block 2 (taken in step 3) 8-11."""
+    m = PagedKVManager(16, BS, 1, BlockHashPrefixIndex())
+    ids = KeyedTokenIds([3, 4, 4, 3, 4])
+    m.allocate(0, ids, 5, None)
+    m.commit(0, ids)
+    ids.append(3)
+    run = m.decode_run([0])
+    ids.extend([4, 3, 3, 4, 4, 3, 4])
+    return m, ids, run
+
+
+def _manager_state(m: PagedKVManager) -> tuple:
+    return (m.pool.state.tobytes(), m.block_table(0), m.prefix_index.registration(0), m.usage_counts())
+
+
+def test_advance_many_checks_each_commit_against_its_own_steps_slots():
+    """An entry of step t may count only the slots reserved up to step t, as stepping
+    checks it: one counting a later step's is refused, changing nothing (the blocks the
+    steps take are already in the tables when the index reads them). In a later step the
+    same count goes through, and a block taken in the call (block 2, step 3) registers
+    in the same pass."""
+    m, ids, run = _one_decoding_seq()
+    before = _manager_state(m)
+    with pytest.raises(ValueError, match="commits 8 tokens but has 6 slots"):
+        run.advance_many(7, [[(0, ids, 8)], [], [], [], [], [], []])
+    assert _manager_state(m) == before
+    m.check()
+    run.advance_many(7, [[], [], [(0, ids, 8)], [], [], [], [(0, ids, 12)]])
+    assert m.prefix_index.registration(0)[0] == 3
+    assert list(m.prefix_index.match([*ids[:12], 9], None).block_ids) == m.block_table(0)[:3]
+    m.check()
+
+
+def test_advance_many_refuses_commits_for_more_steps_than_it_takes_changing_nothing():
+    m, ids, run = _one_decoding_seq()
+    before = _manager_state(m)
+    with pytest.raises(ValueError, match="commits for 2 steps, 1 taken"):
+        run.advance_many(1, [[], [(0, ids, 8)]])
+    assert _manager_state(m) == before
+    m.check()
+
+
+def test_advance_many_changes_nothing_when_the_index_raises():
+    """A decode block's id outside int64 raises where the index packs it, after the
+    steps' blocks went into the tables: they come back out, and the slots are given back."""
+    m, ids, run = _one_decoding_seq()
+    ids[6] = 2**70
+    before = _manager_state(m)
+    with pytest.raises(struct.error):
+        run.advance_many(7, [[], [], [(0, ids, 8)], [], [], [], []])
+    assert _manager_state(m) == before
+    m.check()
 
 
 def test_a_decode_block_across_an_array_prompts_end_is_keyed_from_its_own_ids():
@@ -461,7 +541,7 @@ def test_a_decode_block_in_an_array_prompts_tail_is_batched_under_its_own_ids():
     m.check()
 
 
-def test_a_declined_span_is_stepped_with_the_same_outcome(monkeypatch):
+def test_a_declined_call_is_stepped_with_the_same_outcome(monkeypatch):
     """A call whose steps ``allocate_decode_steps`` declines (a first decode commit that
     completes two blocks) goes one step at a time, its blocks first taken back out of the
     tables, with the same outcome as stepping; the next call is one compiled pass."""
@@ -497,14 +577,19 @@ def test_a_call_registers_blocks_it_takes_in_one_compiled_pass(monkeypatch):
 
     monkeypatch.setattr(BlockHashPrefixIndex, "allocate_decode_steps", spy)
     prompts = [[4, 4, 4, 4, 3, 3, 3, 3], [4, 4, 3], [3, 3, 3, 3, 4, 4], [3, 4, 4, 3, 3]]
-    _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [3 * BS], 40, 7, [False] * 4)
+    assert _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [3 * BS], 40, 7, [False] * 4) == [3 * BS]
     assert declined == [False]
 
 
-def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncommitted):
-    """The body of the two tests above: ``uncommitted[i]`` leaves prompt ``i`` uncommitted."""
+def _decode_steps_against_stepping(
+    prompts, warm, calls, num_blocks, seed, uncommitted, block_size=BS, trim_commits=False
+):
+    """The body of the tests above: ``calls`` the steps asked of each ``advance_many``
+    call (fewer when the free blocks cover fewer), ``uncommitted[i]`` leaves prompt ``i``
+    uncommitted; ``trim_commits`` leaves out a call's trailing steps that commit nothing
+    (``commits`` shorter than the steps). Returns the steps each call took."""
     rng = np.random.default_rng(seed)
-    managers = [PagedKVManager(num_blocks, BS, 1, BlockHashPrefixIndex()) for _ in range(2)]
+    managers = [PagedKVManager(num_blocks, block_size, 1, BlockHashPrefixIndex()) for _ in range(2)]
     for m in managers:  # cached-free blocks from finished requests
         for seq_id, prompt in enumerate(warm, start=100):
             ids = KeyedTokenIds(prompt)
@@ -527,13 +612,15 @@ def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncom
             ids.append(first_token[seq_id])  # decode state: the newest token lacks KV
             tok[seq_id] = ids
     live = sorted(tokens[0])
+    taken_steps: list[int] = []
     if not live:
-        return
+        return taken_steps
     runs = [m.decode_run(live) for m in managers]
-    for span in spans:
-        num_steps = runs[0].num_quiet_steps(None, span)
+    for asked in calls:
+        num_steps = runs[0].num_quiet_steps(None, asked)
         if num_steps == 0:
             break
+        taken_steps.append(num_steps)
         new = rng.integers(3, 5, size=(len(live), num_steps)).tolist()
         commits: list[list[list[tuple[int, object, int]]]] = [
             [[] for _ in range(num_steps)] for _ in range(2)
@@ -543,9 +630,12 @@ def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncom
                 ids = tok[seq_id]
                 first = len(ids)
                 ids.extend(row)  # the run's tokens, appended before its slots are reserved
-                for step in range(-first % BS, num_steps, BS):
+                for step in range(-first % block_size, num_steps, block_size):
                     per_step[step].append((seq_id, ids, first + step))
-        reported = runs[0].advance_many(num_steps, commits[0])
+        given = commits[0]
+        while trim_commits and given and not given[-1]:
+            given = given[:-1]
+        reported = runs[0].advance_many(num_steps, given)
         stepped = managers[1]
         for step, (*counts, num_reused) in enumerate(reported):
             evicted = stepped.num_evicted_blocks
@@ -558,3 +648,4 @@ def _decode_steps_against_stepping(prompts, warm, spans, num_blocks, seed, uncom
         for m in managers:
             m.check()
         assert _state(managers[0], tokens[0], [p for p in prompts]) == _state(stepped, tokens[1], prompts)
+    return taken_steps

@@ -389,7 +389,7 @@ def allocate_steps_registering(
     which the first ``num_entries`` rows are read (the caller reuses one array across
     calls): per entry its step, row, position and block, then the block's ``bs`` token
     ids (one array: each argument costs a type check per call and each conversion a
-    numpy call, and the decode path calls this once per step or span).
+    numpy call, and the decode path calls this once per step or ``advance_many`` call).
     After step ``t``'s blocks are taken, entries ``e`` of step ``t`` (steps ascending) are
     keyed and registered in order (``register_entries``: one step that takes none).
     Entry ``e`` keys its block, block ``position`` of its sequence, from ``entries[e,

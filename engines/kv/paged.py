@@ -549,28 +549,34 @@ class PagedKVManager(SeqTable):
             return
         index.commit_many(self._commit_rows(entries))
 
-    def _commit_rows(self, entries: Sequence[StepCommit]) -> list[CommitEntry]:
+    def _commit_rows(self, entries: Sequence[StepCommit], num_later_slots: int = 0) -> list[CommitEntry]:
         """The prefix index's commit entries for ``entries``: each with its block table
         (the live int64 array, not a copy) and extra key. The one home of the commit rule:
-        a resident sequence commits between 0 and its slots' count of tokens. Raises on
-        the first entry breaking it (``_refuse_commit``; the index checks a count past the
-        ids). Pure."""
+        a resident sequence commits between 0 and its slots' count of tokens, less
+        ``num_later_slots`` (slots already reserved for later steps, which a step's commit
+        may not count: ``PagedDecodeRun.advance_many``). Raises on the first entry breaking
+        it (``_refuse_commit``; the index checks a count past the ids). Pure."""
         rows = []
         seqs = self._seqs
         for seq_id, token_ids, num_tokens in entries:
             seq = seqs.get(seq_id)
-            if seq is None or seq.host_blocks is not None or not 0 <= num_tokens <= seq.num_tokens:
-                self._refuse_commit(seq_id, num_tokens)
+            if (
+                seq is None
+                or seq.host_blocks is not None
+                or not 0 <= num_tokens <= seq.num_tokens - num_later_slots
+            ):
+                self._refuse_commit(seq_id, num_tokens, num_later_slots)
             rows.append((seq_id, token_ids, num_tokens, seq.block_ids, seq.extra_key))
         return rows
 
-    def _refuse_commit(self, seq_id: int, num_tokens: int) -> NoReturn:
+    def _refuse_commit(self, seq_id: int, num_tokens: int, num_later_slots: int = 0) -> NoReturn:
         """Raise naming why ``seq_id`` may not commit ``num_tokens`` tokens (called only for
         an entry ``_commit_rows`` refused, so a resident one's count is wrong): KeyError
         when unknown, ValueError when swapped out, for a negative count or with fewer
         slots than tokens."""
         seq = self._resident(seq_id, "commit")  # raises for an unknown or swapped-out seq
-        raise ValueError(f"commit: seq {seq_id} commits {num_tokens} tokens but has {seq.num_tokens} slots")
+        num_slots = seq.num_tokens - num_later_slots
+        raise ValueError(f"commit: seq {seq_id} commits {num_tokens} tokens but has {num_slots} slots")
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (ref count +1 each).
@@ -1062,12 +1068,15 @@ class PagedDecodeRun:
         one step at a time. Returns, per step, the manager's ``usage_counts`` after it and
         how many cached blocks it reused (evictions). Only for an index that holds no
         blocks and when the steps' blocks are free (``num_quiet_steps``); raises
-        KVCapacityError otherwise, changing nothing. A commit entry ``commit_many`` would
-        refuse (an unknown or swapped-out sequence, a negative count, more tokens than
-        the slots after all ``num_steps`` steps) raises the same, changing nothing; one
-        whose ids lack a block it completes raises ValueError where the index reads them,
-        after the steps before its own (the scheduler builds none). Mutates the manager
-        (claims, block tables, the pool, the index)."""
+        KVCapacityError otherwise, changing nothing. ``commits`` for more than
+        ``num_steps`` steps raise ValueError, changing nothing, as does an entry stepping
+        would refuse (an unknown or swapped-out sequence, a negative count, more tokens
+        than the slots after its own step); one whose ids lack a block it completes raises
+        ValueError where the index reads them, after the steps before its own (the
+        scheduler builds none). Mutates the manager (claims, block tables, the pool, the
+        index)."""
+        if len(commits) > num_steps:
+            raise ValueError(f"advance_many: commits for {len(commits)} steps, {num_steps} taken")
         kv = self._kv
         bs = kv.block_size
         pool = kv.pool
@@ -1093,32 +1102,41 @@ class PagedDecodeRun:
         for seq in seqs:
             seq.num_tokens += num_steps  # the slots reserved (what commits check against)
         try:
-            # Every step's entries checked before anything else changes: a bad one raises
-            # as commit_many does, the slots given back. (They hold the live block tables,
-            # which the spans extend before the index reads them.)
+            # Every step's entries checked before anything else changes, each against the
+            # slots after its own step, as stepping checks it: a bad one raises as
+            # commit_many does, the slots given back. So an entry of step t completes only
+            # blocks taken in step t or before. (They hold the live block tables, which the
+            # steps' blocks extend before the index reads them.)
             # (Most steps of a long run commit nothing: no call for them.)
-            rows_per_step = [kv._commit_rows(entries) if entries else [] for entries in commits]
+            rows_per_step = [
+                kv._commit_rows(entries, num_steps - 1 - t) if entries else []
+                for t, entries in enumerate(commits)
+            ]
+            # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
+            steps: list[tuple[int, int, int]] = []
+            free, cached = pool.num_free, pool.num_cached_free
+            # The blocks the steps take, in the order the pool hands them out (its free
+            # list's head), go into the tables first: the prefix index reads a decode
+            # commit's block there, so one compiled pass covers every step, commits of
+            # blocks taken within it included.
+            fresh = pool.next_free(total)  # int64 [total]
+            for row, block in zip(takers.tolist(), fresh.tolist()):
+                seqs[row].block_ids.append(block)
+            try:
+                taken = index.allocate_decode_steps(pool, np.array(needs, dtype=np.int64), rows_per_step)
+            except BaseException:  # (it changed nothing)
+                self._take_back(takers)
+                raise
         except BaseException:
             for seq in seqs:
                 seq.num_tokens -= num_steps
             raise
-        # Per step: blocks in use and free uncached blocks after it, and cached ones reused.
-        steps: list[tuple[int, int, int]] = []
-        free, cached = pool.num_free, pool.num_cached_free
-        # The blocks the steps take, in the order the pool hands them out (its free list's
-        # head), go into the tables first: the prefix index reads a decode commit's block
-        # there, so one compiled pass covers every step, commits of blocks taken within it
-        # included (a block taken in step t fills in step t + bs - 1 at the earliest).
-        fresh = pool.next_free(total)  # int64 [total]
-        for row, block in zip(takers.tolist(), fresh.tolist()):
-            seqs[row].block_ids.append(block)
-        taken = index.allocate_decode_steps(pool, np.array(needs, dtype=np.int64), rows_per_step)
         if taken is None:
             # Declined (an entry that is no decode commit): the blocks come back out of the
-            # tables, then the steps go one at a time, as advance then commit_many.
-            for row, num_taken in enumerate(np.bincount(takers, minlength=num_seqs).tolist()):
-                if num_taken:
-                    del seqs[row].block_ids[-num_taken:]
+            # tables, then the steps go one at a time, as advance then commit_many (the
+            # index's own: its entries are checked, and an index that holds no blocks
+            # switches no table entry).
+            self._take_back(takers)
             stepped: list[int] = []  # the blocks taken, in order
             at = 0  # the step's first entry of takers
             for t, need in enumerate(needs):
@@ -1134,7 +1152,7 @@ class PagedDecodeRun:
                 steps.append(
                     (in_use, pool.num_free - pool.num_cached_free, cached_before - pool.num_cached_free)
                 )
-                if t < len(rows_per_step) and rows_per_step[t]:
+                if t < len(rows_per_step) and rows_per_step[t]:  # (commits may stop early)
                     index.commit_many(rows_per_step[t])
             taken_blocks = np.array(stepped, dtype=np.int64)
         else:
@@ -1159,3 +1177,11 @@ class PagedDecodeRun:
             (step_in_use, token_slots + (t + 1) * num_seqs + stale, free, num_reused)
             for t, (step_in_use, free, num_reused) in enumerate(steps)
         ]
+
+    def _take_back(self, takers: np.ndarray) -> None:
+        """Remove from the tables the blocks ``advance_many`` appended before the prefix
+        index's pass: row ``takers[k]`` got one each (int64 [blocks]). Mutates the tables."""
+        seqs = self._seqs
+        for row, num_taken in enumerate(np.bincount(takers, minlength=len(seqs)).tolist()):
+            if num_taken:
+                del seqs[row].block_ids[-num_taken:]

@@ -181,11 +181,14 @@ class PrefixIndex(Protocol):
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """A simulated decode run's steps (``PagedDecodeRun.advance_many``), for an index that
         holds no blocks: per step ``t``, take ``needs[t]`` blocks (int64 [steps]) from the
-        pool's free-list head, then ``commit_many(commits[t])``, whose entries' blocks
-        were all in their tables before this call. Returns ``BlockPool.allocate_steps``'
-        result, or None, changing nothing, when the index cannot take these steps in one
-        pass (the caller then takes them one at a time). Mutates the pool and what the
-        commits mutate. An index that holds blocks raises TypeError."""
+        pool's free-list head, then ``commit_many(commits[t])`` (``commits``: at most one
+        list per step). The caller has already appended the blocks the steps take (the
+        free list's first ``sum(needs)``, in the order taken) to the tables, and an entry
+        of step ``t`` completes only blocks taken in step ``t`` or before. Returns
+        ``BlockPool.allocate_steps``' result, or None, changing nothing, when the index
+        cannot take these steps in one pass (the caller then takes them one at a time).
+        Mutates the pool and what the commits mutate. An index that holds blocks raises
+        TypeError."""
         ...
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -325,8 +328,8 @@ class _StepRegistrations:
         position) of the entry it stopped at, or None when every entry was added or
         skipped. Mutates itself only.
 
-        One call for a decode run's span of steps, not one per step: about half the steps
-        of a long run commit nothing."""
+        One call for a decode run's steps (``advance_many``), not one per step: about half
+        the steps of a long run commit nothing."""
         bs = self.block_size
         rows, states, num_entries, flat = self.rows, self.states, self.num_entries, self.entries
         for step, entries in enumerate(commits):
@@ -694,7 +697,7 @@ class BlockHashPrefixIndex:
             raise ValueError(
                 "BlockHashPrefixIndex.allocate_decode_steps: not the pool this index is bound to"
             )
-        num_blocks = sum(needs.tolist())  # a span's few steps: ndarray.sum's call costs more
+        num_blocks = int(np.add.reduce(needs))  # (ndarray.sum adds a Python-level wrapper)
         if num_blocks > pool.num_free:
             raise MemoryError(
                 f"BlockHashPrefixIndex.allocate_decode_steps: {num_blocks} blocks, {pool.num_free} free"
