@@ -541,11 +541,13 @@ def test_a_decode_block_in_an_array_prompts_tail_is_batched_under_its_own_ids():
     m.check()
 
 
-def test_a_declined_call_is_stepped_with_the_same_outcome(monkeypatch):
-    """A call whose steps ``allocate_decode_steps`` declines (a first decode commit that
-    completes two blocks) goes one step at a time, its blocks first taken back out of the
-    tables, with the same outcome as stepping; the next call is one compiled pass."""
-    declined = []
+_FOUR_PROMPTS = [[4, 4, 4, 4, 3, 3, 3, 3], [4, 4, 3], [3, 3, 3, 3, 4, 4], [3, 4, 4, 3, 3]]
+
+
+def _declines(monkeypatch) -> list[bool]:
+    """Whether each ``allocate_decode_steps`` call from now on declined (returned None),
+    in call order: a list the spy appends to."""
+    declined: list[bool] = []
     allocate = BlockHashPrefixIndex.allocate_decode_steps
 
     def spy(self, pool, needs, commits):
@@ -554,12 +556,19 @@ def test_a_declined_call_is_stepped_with_the_same_outcome(monkeypatch):
         return taken
 
     monkeypatch.setattr(BlockHashPrefixIndex, "allocate_decode_steps", spy)
+    return declined
+
+
+def test_a_declined_call_is_stepped_with_the_same_outcome(monkeypatch):
+    """A call whose steps ``allocate_decode_steps`` declines (a first decode commit that
+    completes two blocks) goes one step at a time, its blocks first taken back out of the
+    tables, with the same outcome as stepping; the next call is one compiled pass."""
+    declined = _declines(monkeypatch)
     # Seqs 0-2 take blocks in steps 0-2, seq 3 in step 3, seq 0 in step 4; seq 0
     # (uncommitted) first commits three blocks in step 3, so the first call (9 steps) is
     # declined: each step must hand its blocks to its own takers.
-    prompts = [[4, 4, 4, 4, 3, 3, 3, 3], [4, 4, 3], [3, 3, 3, 3, 4, 4], [3, 4, 4, 3, 3]]
     uncommitted = [True, False, False, False]
-    _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [9, 11, 6], 40, 7, uncommitted)
+    _decode_steps_against_stepping(_FOUR_PROMPTS, [[3, 4, 3, 4]], [9, 11, 6], 40, 7, uncommitted)
     assert declined[:2] == [True, False]
 
 
@@ -567,17 +576,9 @@ def test_a_call_registers_blocks_it_takes_in_one_compiled_pass(monkeypatch):
     """A call of three block-lengths of steps registers, in one compiled pass, blocks taken
     within it (each sequence takes a block in steps 0-3 and fills it by step 7), with the
     same outcome as stepping."""
-    declined = []
-    allocate = BlockHashPrefixIndex.allocate_decode_steps
-
-    def spy(self, pool, needs, commits):
-        taken = allocate(self, pool, needs, commits)
-        declined.append(taken is None)
-        return taken
-
-    monkeypatch.setattr(BlockHashPrefixIndex, "allocate_decode_steps", spy)
-    prompts = [[4, 4, 4, 4, 3, 3, 3, 3], [4, 4, 3], [3, 3, 3, 3, 4, 4], [3, 4, 4, 3, 3]]
-    assert _decode_steps_against_stepping(prompts, [[3, 4, 3, 4]], [3 * BS], 40, 7, [False] * 4) == [3 * BS]
+    declined = _declines(monkeypatch)
+    taken_steps = _decode_steps_against_stepping(_FOUR_PROMPTS, [[3, 4, 3, 4]], [3 * BS], 40, 7, [False] * 4)
+    assert taken_steps == [3 * BS]
     assert declined == [False]
 
 
