@@ -1124,7 +1124,7 @@ class PagedDecodeRun:
                 seqs[row].block_ids.append(block)
             try:
                 taken = index.allocate_decode_steps(pool, np.array(needs, dtype=np.int64), rows_per_step)
-            except BaseException:  # (it changed nothing)
+            except BaseException:  # (raised before changing anything: its contract)
                 self._take_back(takers)
                 raise
         except BaseException:

@@ -187,8 +187,10 @@ class PrefixIndex(Protocol):
         of step ``t`` completes only blocks taken in step ``t`` or before. Returns
         ``BlockPool.allocate_steps``' result, or None, changing nothing, when the index
         cannot take these steps in one pass (the caller then takes them one at a time).
-        Mutates the pool and what the commits mutate. An index that holds blocks raises
-        TypeError."""
+        Mutates the pool and what the commits mutate. What it raises it raises before
+        changing anything: TypeError for an index that holds blocks, and (block-hash)
+        KeyError naming an unknown sequence, MemoryError when fewer than ``sum(needs)``
+        blocks are free, struct.error for an id that is no int64."""
         ...
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
