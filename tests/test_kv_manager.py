@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import BlockHashPrefixIndex, NullPrefixIndex
-from kvbench.engines.kv.protocol import KVCapacityError, KVOps
+from kvbench.engines.kv.protocol import COMMITS_REGISTER_NOTHING, KVCapacityError, KVOps
 from kvbench.engines.kv.radix_cache import RadixPrefixIndex
 from kvbench.engines.kv.token_ids import KeyedTokenIds
 from kvbench.types import KVUsage
@@ -265,6 +265,20 @@ def test_check_reports_a_reference_count_that_disagrees_with_block_tables():
     m.pool.incref(0)  # a reference nobody accounts for
     with pytest.raises(AssertionError, match="block 0: ref_count=2 but 1 block-table refs"):
         m.check()
+
+
+def test_commit_interval_skips_the_decode_commits_that_register_nothing():
+    # Without a prefix cache none registers anything; block-hash keys register a block
+    # once it is full; the radix tree extends with every token.
+    intervals = {
+        index_cls.__name__: PagedKVManager(8, 4, 2, index_cls()).commit_interval
+        for index_cls in (NullPrefixIndex, BlockHashPrefixIndex, RadixPrefixIndex)
+    }
+    assert intervals == {
+        "NullPrefixIndex": COMMITS_REGISTER_NOTHING,
+        "BlockHashPrefixIndex": 4,
+        "RadixPrefixIndex": 1,
+    }
 
 
 def test_usage_of_an_empty_manager():

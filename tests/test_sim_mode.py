@@ -14,6 +14,8 @@ import torch
 from run_fixtures import sweep_experiment
 
 from kvbench.engines.config import EngineConfig, size_pool
+from kvbench.engines.kv.paged import PagedKVManager
+from kvbench.engines.kv.protocol import COMMITS_REGISTER_NOTHING, StepCommit
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.metrics import per_request
@@ -86,6 +88,35 @@ def test_sim_allocates_exactly_the_blocks_of_the_real_engine(tiny_model, prefix_
     for column in BLOCK_COLUMNS:
         assert real.steps[column].tolist() == sim.steps[column].tolist(), column
     assert sorted(real.outputs) == sorted(sim.outputs)
+
+
+def test_skipping_decode_commits_without_a_prefix_cache_changes_no_step(monkeypatch):
+    """Without a prefix cache a commit only checks its count, so the scheduler skips every
+    decode step's (``commit_interval``): the run equals one making a commit at each block
+    boundary, as with a block-hash index, preemptions included."""
+    workload = offline(random_requests(12, 40, 30, vocab_size=SPEC.vocab_size, seed=2))
+    params = {"num_blocks": 16, "max_num_seqs": 6, "max_num_batched_tokens": 96, "prefix_cache": "none"}
+    commits: list[int] = []
+    commit_many = PagedKVManager.commit_many
+
+    def counted(self: PagedKVManager, entries: list[StepCommit]) -> None:
+        commits.extend(num_tokens for _, _, num_tokens in entries)
+        commit_many(self, entries)
+
+    monkeypatch.setattr(PagedKVManager, "commit_many", counted)
+    runs = []
+    for interval in (COMMITS_REGISTER_NOTHING, 16):
+        engine = sim_engine(HardwareSpec(), **params)
+        assert engine.kv.commit_interval == COMMITS_REGISTER_NOTHING
+        engine.kv.commit_interval = interval
+        commits.clear()
+        runs.append((replay(engine, workload, SimClock()), sorted(commits)))
+    (skipping, skipped), (committing, made) = runs
+    assert committing.steps["num_preemptions"].sum() > 0
+    # Only prefill chunks commit when skipping; decode steps too at every block boundary.
+    assert len(skipped) < len(made) and set(skipped) < set(made)
+    pd.testing.assert_frame_equal(skipping.steps, committing.steps)
+    assert skipping.outputs == committing.outputs
 
 
 def test_sim_steps_take_the_cost_models_time():

@@ -33,6 +33,7 @@ from kvbench.engines.kv import native
 from kvbench.engines.kv.block_pool import BlockPool
 from kvbench.engines.kv.prefix_cache import CommitEntry, PrefixIndex, PrefixMatch
 from kvbench.engines.kv.protocol import (
+    COMMITS_REGISTER_NOTHING,
     NO_OPS,
     AdmissionGuard,
     DecodeRun,
@@ -233,8 +234,12 @@ class PagedKVManager(SeqTable):
         self.prefix_index = prefix_index
         prefix_index.bind(self.pool, block_size)
         # A commit only registers something when the written length reaches a multiple of
-        # this (1 for token-granular indexes): decode steps may skip the others.
-        self.commit_interval = block_size if prefix_index.registers_full_blocks_only else 1
+        # this (1 for token-granular indexes; never without a prefix cache, whose commits
+        # only check their counts): decode steps may skip the others.
+        if not prefix_index.registers_blocks:
+            self.commit_interval = COMMITS_REGISTER_NOTHING
+        else:
+            self.commit_interval = block_size if prefix_index.registers_full_blocks_only else 1
         self._seqs: dict[int, _Seq] = {}
         # Per device block: block-table references from live sequences, and claimed slots
         # (int64 arrays: the compiled loops in native.py update them for whole tables).

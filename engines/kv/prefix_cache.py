@@ -112,6 +112,13 @@ class PrefixIndex(Protocol):
     """
 
     @property
+    def registers_blocks(self) -> bool:
+        """Whether ``commit`` registers anything at all. False: prefix caching off (nothing
+        is ever registered or matched), so a commit only checks its count and the caller
+        may skip every decode step's (``KVManager.commit_interval``)."""
+        ...
+
+    @property
     def registers_full_blocks_only(self) -> bool:
         """Whether ``commit`` only ever registers whole blocks, so a commit that completes no
         new block is a no-op the caller may skip (decode steps commit 15 times in 16 for
@@ -225,6 +232,7 @@ class PrefixIndex(Protocol):
 class NullPrefixIndex:
     """Prefix caching off: nothing matches, nothing is kept, freed blocks are plain free."""
 
+    registers_blocks = False
     registers_full_blocks_only = True  # registers nothing at all
     holds_blocks = False
 
@@ -442,6 +450,7 @@ class BlockHashPrefixIndex:
     happens on the next request, which attaches the registered one).
     """
 
+    registers_blocks = True
     registers_full_blocks_only = True
     holds_blocks = False  # cached blocks wait in the pool's free list
 

@@ -112,6 +112,7 @@ class RadixPrefixIndex:
     sequence extends its own leaf, else O(new tokens + depth); ``evict`` O(log heap) per node.
     """
 
+    registers_blocks = True
     registers_full_blocks_only = False  # token granular: every commit extends the tree
     holds_blocks = True  # tree nodes hold (lockable) block references
 
