@@ -90,11 +90,12 @@ def test_sim_allocates_exactly_the_blocks_of_the_real_engine(tiny_model, prefix_
     assert sorted(real.outputs) == sorted(sim.outputs)
 
 
-def test_skipping_decode_commits_without_a_prefix_cache_changes_no_step(monkeypatch):
+@pytest.mark.parametrize("samples", [{}, {"n": 2}, {"beam_width": 2}])
+def test_skipping_decode_commits_without_a_prefix_cache_changes_no_step(monkeypatch, samples):
     """Without a prefix cache a commit only checks its count, so the scheduler skips every
-    decode step's (``commit_interval``): the run equals one making a commit at each block
-    boundary, as with a block-hash index, preemptions included."""
-    workload = offline(random_requests(12, 40, 30, vocab_size=SPEC.vocab_size, seed=2))
+    one-token commit (``commit_interval``): the run equals one making a commit at each
+    block boundary, as with a block-hash index, preemptions included."""
+    workload = offline(random_requests(12, 40, 30, vocab_size=SPEC.vocab_size, seed=2, **samples))
     params = {"num_blocks": 16, "max_num_seqs": 6, "max_num_batched_tokens": 96, "prefix_cache": "none"}
     commits: list[int] = []
     commit_many = PagedKVManager.commit_many
@@ -113,8 +114,9 @@ def test_skipping_decode_commits_without_a_prefix_cache_changes_no_step(monkeypa
         runs.append((replay(engine, workload, SimClock()), sorted(commits)))
     (skipping, skipped), (committing, made) = runs
     assert committing.steps["num_preemptions"].sum() > 0
-    # Only prefill chunks commit when skipping; decode steps too at every block boundary.
-    assert len(skipped) < len(made) and set(skipped) < set(made)
+    # Only chunks of several tokens (prefill) commit when skipping; one-token chunks too
+    # at every block boundary otherwise.
+    assert skipped and len(skipped) < len(made) and set(skipped) < set(made)
     pd.testing.assert_frame_equal(skipping.steps, committing.steps)
     assert skipping.outputs == committing.outputs
 

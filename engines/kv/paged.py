@@ -235,7 +235,7 @@ class PagedKVManager(SeqTable):
         prefix_index.bind(self.pool, block_size)
         # A commit only registers something when the written length reaches a multiple of
         # this (1 for token-granular indexes; never without a prefix cache, whose commits
-        # only check their counts): decode steps may skip the others.
+        # only check their counts): one-token steps may skip the others.
         if not prefix_index.registers_blocks:
             self.commit_interval = COMMITS_REGISTER_NOTHING
         else:

@@ -115,7 +115,7 @@ class PrefixIndex(Protocol):
     def registers_blocks(self) -> bool:
         """Whether ``commit`` registers anything at all. False: prefix caching off (nothing
         is ever registered or matched), so a commit only checks its count and the caller
-        may skip every decode step's (``KVManager.commit_interval``)."""
+        may skip every one-token commit (``KVManager.commit_interval``)."""
         ...
 
     @property
