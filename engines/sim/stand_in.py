@@ -112,9 +112,10 @@ class StandInTokens:
             return stand_in_token(self.base(group.request_id), sample_index, position, vocab)
 
         # Each target's own next token, drawn for all in one compiled call: most targets are
-        # a lone (or forked) sample taking it, and a scalar draw per target cost ~4x as much
-        # from a dozen targets on. A draw depends only on its own sample's state, which no
-        # other target's update below changes; beams and forks draw theirs as they go.
+        # a lone (or forked) sample taking it, and a scalar draw per target costs more from
+        # about four targets on (2.4x at a dozen). A draw depends only on its own sample's
+        # state, which no other target's update below changes; beams and forks draw theirs
+        # as they go.
         request_ids = [group.request_id for group, _ in targets]
         draws = stand_in_tokens(
             self.bases(request_ids),
