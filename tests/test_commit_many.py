@@ -400,49 +400,79 @@ def test_a_radix_index_commits_one_entry_at_a_time():
         m.prefix_index.commit_many([])
 
 
+def _decode_step_cases(
+    *,
+    prompt_len: int,
+    num_prompts: int,
+    warm_len: tuple[int, int],
+    max_call: int,
+    num_blocks: tuple[int, int],
+    block_sizes: tuple[int, int],
+    trim: bool,
+) -> st.SearchStrategy[dict]:
+    """``_decode_steps_against_stepping``'s arguments in one regime: up to ``num_prompts``
+    prompts of 1 to ``prompt_len`` two-letter ids, up to four warm-up prompts of
+    ``warm_len`` ids, up to four calls of 1 to ``max_call`` steps, pools and block sizes
+    in those ranges, and trimmed commits only where ``trim``."""
+    return st.fixed_dictionaries(
+        {
+            "prompts": st.lists(
+                st.lists(st.integers(3, 4), min_size=1, max_size=prompt_len), min_size=1, max_size=num_prompts
+            ),
+            "warm": st.lists(
+                st.lists(st.integers(3, 4), min_size=warm_len[0], max_size=warm_len[1]), max_size=4
+            ),
+            "calls": st.lists(st.integers(1, max_call), min_size=1, max_size=4),
+            "num_blocks": st.integers(*num_blocks),
+            "seed": st.integers(0, 2**16),
+            "uncommitted": st.lists(st.booleans(), min_size=num_prompts, max_size=num_prompts),
+            "block_size": st.integers(*block_sizes),
+            "trim_commits": st.booleans() if trim else st.just(False),
+        }
+    )
+
+
+# The regimes of the one-pass test below (``_decode_step_cases``' arguments).
+_DECODE_STEP_REGIMES = {
+    # Block size 4 in pools of 14-40 blocks; an uncommitted prompt completes several blocks
+    # in its first decode commit, which the index declines to batch.
+    "block_size_4": dict(
+        prompt_len=13,
+        num_prompts=6,
+        warm_len=(4, 12),
+        max_call=11,
+        num_blocks=(14, 40),
+        block_sizes=(BS, BS),
+        trim=False,
+    ),
+    # Block sizes 1-3 in pools of 6-14 blocks, where a step often reuses a cached block
+    # (dropping its key) that a commit of the same step registers again: the step's drops
+    # must come before its registrations, in one pass and stepped alike. Calls may give
+    # commits only up to their last committing step.
+    "small_blocks_and_pools": dict(
+        prompt_len=7,
+        num_prompts=5,
+        warm_len=(2, 6),
+        max_call=9,
+        num_blocks=(6, 14),
+        block_sizes=(1, 3),
+        trim=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("regime", sorted(_DECODE_STEP_REGIMES))
 @settings(max_examples=80, deadline=None)
-@given(
-    prompts=st.lists(st.lists(st.integers(3, 4), min_size=1, max_size=13), min_size=1, max_size=6),
-    warm=st.lists(st.lists(st.integers(3, 4), min_size=4, max_size=12), max_size=4),
-    calls=st.lists(st.integers(1, 11), min_size=1, max_size=4),
-    num_blocks=st.integers(14, 40),
-    seed=st.integers(0, 2**16),
-    uncommitted=st.lists(st.booleans(), min_size=6, max_size=6),
-)
-def test_decode_steps_in_one_pass_equal_stepping_with_commits(
-    prompts, warm, calls, num_blocks, seed, uncommitted
-):
+@given(data=st.data())
+def test_decode_steps_in_one_pass_equal_stepping_with_commits(regime, data):
     """``PagedDecodeRun.advance_many`` with the steps' commits (the prefix index's compiled pass,
     ``allocate_decode_steps``, one per call; a call it declines one step at a time) against
     ``advance`` then ``commit_many`` step by step: the same blocks, claims, registrations,
-    drops, keys and per-step counts. Two-letter ids make sequences write equal blocks, and
-    the warm-up leaves cached blocks in the free list for the steps to reuse. A sequence
-    whose prompt was never committed (``uncommitted``) completes several blocks in its
-    first decode commit, which the index declines to batch."""
-    _decode_steps_against_stepping(prompts, warm, calls, num_blocks, seed, uncommitted)
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    prompts=st.lists(st.lists(st.integers(3, 4), min_size=1, max_size=7), min_size=1, max_size=5),
-    warm=st.lists(st.lists(st.integers(3, 4), min_size=2, max_size=6), max_size=4),
-    calls=st.lists(st.integers(1, 9), min_size=1, max_size=4),
-    block_size=st.integers(1, 3),
-    num_blocks=st.integers(6, 14),
-    seed=st.integers(0, 2**16),
-    uncommitted=st.lists(st.booleans(), min_size=5, max_size=5),
-    trim_commits=st.booleans(),
-)
-def test_decode_steps_in_one_pass_equal_stepping_at_small_block_sizes_and_pools(
-    prompts, warm, calls, block_size, num_blocks, seed, uncommitted, trim_commits
-):
-    """The same at block sizes 1-3 in pools of 6-14 blocks, where a step often reuses a
-    cached block (dropping its key) that a commit of the same step registers again: the
-    step's drops must come before its registrations, in one pass and stepped alike. Calls
-    may give commits only up to their last committing step."""
-    _decode_steps_against_stepping(
-        prompts, warm, calls, num_blocks, seed, uncommitted, block_size, trim_commits
-    )
+    drops, keys and per-step counts, in each of ``_DECODE_STEP_REGIMES``. Two-letter ids make
+    sequences write equal blocks, and the warm-up leaves cached blocks in the free list for
+    the steps to reuse. A sequence whose prompt was never committed (``uncommitted``)
+    completes several blocks in its first decode commit, which the index declines to batch."""
+    _decode_steps_against_stepping(**data.draw(_decode_step_cases(**_DECODE_STEP_REGIMES[regime])))
 
 
 def _one_decoding_seq() -> tuple[PagedKVManager, KeyedTokenIds, object]:

@@ -232,8 +232,8 @@ class PrefixIndex(Protocol):
 class NullPrefixIndex:
     """Prefix caching off: nothing matches, nothing is kept, freed blocks are plain free."""
 
-    registers_blocks = False
-    registers_full_blocks_only = True  # registers nothing at all
+    registers_blocks = False  # registers nothing at all
+    registers_full_blocks_only = True  # (vacuously)
     holds_blocks = False
 
     def __init__(self) -> None:
