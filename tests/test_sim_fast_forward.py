@@ -24,7 +24,7 @@ from sim_workloads import mooncake_head
 from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sched.scheduler import Scheduler, is_decode_ready
+from kvbench.engines.sched.scheduler import Scheduler, is_decode_ready, may_follow_decodes
 from kvbench.engines.sim import fast_forward
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.fast_forward import FastForward
@@ -43,8 +43,11 @@ SLOW = HardwareSpec(step_overhead_s=5e-3, per_seq_overhead_s=2e-4)
 @pytest.fixture(autouse=True)
 def verify_carried_batches(monkeypatch):
     """Every run here that carries its batch from the last one also reads it fresh and
-    requires the same columns and KV run (``FastForward.verify_carry``)."""
+    requires the same columns and KV run (``FastForward.verify_carry``); and a run takes a
+    prefilling tail behind a batch of any size (``FastForward.min_seqs_before_tail``: the
+    scenarios here run a few sequences)."""
     monkeypatch.setattr(FastForward, "verify_carry", True)
+    monkeypatch.setattr(FastForward, "min_seqs_before_tail", 1)
 
 
 class StepCounting:
@@ -112,37 +115,55 @@ def assert_identical(
     return covered
 
 
-def test_chat_with_shared_prefixes_and_poisson_arrivals():
-    workload = chat(
-        num_conversations=6,
+def three_turn_chats(
+    num_conversations: int,
+    max_user_len: int,
+    output_len: tuple[int, int],
+    rate_per_s: float,
+    turn_interval_s: float,
+) -> Workload:
+    """Conversations of three turns on a shared 64-token system prompt: user turns of 10 to
+    ``max_user_len`` tokens, outputs uniform in ``output_len``, Poisson starts."""
+    return chat(
+        num_conversations=num_conversations,
         num_turns=3,
         system_prompt_len=64,
-        user_len={"kind": "uniform", "low": 10, "high": 60},
-        output_len={"kind": "uniform", "low": 20, "high": 120},
-        arrival={"kind": "poisson", "rate_per_s": 8.0},
-        turn_interval_s=0.3,
+        user_len={"kind": "uniform", "low": 10, "high": max_user_len},
+        output_len={"kind": "uniform", "low": output_len[0], "high": output_len[1]},
+        arrival={"kind": "poisson", "rate_per_s": rate_per_s},
+        turn_interval_s=turn_interval_s,
         vocab_size=SPEC.vocab_size,
         seed=5,
     )
+
+
+def test_chat_with_shared_prefixes_and_poisson_arrivals():
+    workload = three_turn_chats(6, 60, (20, 120), 8.0, 0.3)
     assert_identical(
         workload, min_covered_share=0.5, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=128
+    )
+
+
+def with_mixed_priorities(workload: Workload) -> Workload:
+    """``workload`` with request ``i`` at priority ``7 i mod 4``."""
+    return Workload(
+        workload.name,
+        tuple(dataclasses.replace(r, priority=(7 * i) % 4) for i, r in enumerate(workload.requests)),
     )
 
 
 def priority_arrivals() -> Workload:
     """Poisson arrivals of mixed priorities: under the priority policy a later arrival
     that matters more joins ``running`` ahead of groups already there (not at its end)."""
-    requests = random_requests(
+    workload = random_requests(
         24,
         {"kind": "uniform", "low": 10, "high": 60},
         {"kind": "uniform", "low": 10, "high": 60},
         {"kind": "poisson", "rate_per_s": 60.0},
         vocab_size=SPEC.vocab_size,
         seed=9,
-    ).requests
-    return Workload(
-        "priorities", tuple(dataclasses.replace(r, priority=(7 * i) % 4) for i, r in enumerate(requests))
     )
+    return with_mixed_priorities(Workload("priorities", workload.requests))
 
 
 def test_priority_admissions_ahead_of_running_groups_as_stepping():
@@ -599,6 +620,96 @@ def test_runs_cover_finishing_and_admitting_steps(ignore_eos):
     assert engine.covered_with["tokens"] > 10, engine.covered_with  # admitted groups' first tokens
 
 
+def chunked_prompts(**extra: object) -> Workload:
+    """16 requests of 20-300 prompt and 5-90 output tokens at 40/s: in steps of 64 tokens or
+    fewer, most prompts prefill in chunks next to decoding requests (``extra``: more
+    ``random_requests`` arguments)."""
+    return random_requests(
+        16,
+        {"kind": "uniform", "low": 20, "high": 300},
+        {"kind": "uniform", "low": 5, "high": 90},
+        {"kind": "poisson", "rate_per_s": 40.0},
+        vocab_size=SPEC.vocab_size,
+        seed=3,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("prefix_cache", ["block_hash", "radix", "none"])
+def test_prompts_prefilled_in_chunks_behind_a_decode_batch_as_stepping(prefix_cache, preemption, monkeypatch):
+    # Prompts of up to 300 tokens in chunks of at most 64 tokens a step, in a pool of 40
+    # blocks: many steps decode a batch with the newest prompt's next chunk behind it
+    # (DecodeBatch.tail), and some of those chunks find no room, so that prompt preempts
+    # itself and the step is planned whole for a normal step.
+    workload = chunked_prompts()
+    outcomes = {"planned": 0, "kept for a normal step": 0}
+    admit_after_decodes = Scheduler.admit_after_decodes
+
+    def counting(scheduler, pairs, run, tail=None):  # type: ignore[no-untyped-def]
+        plan = admit_after_decodes(scheduler, pairs, run, tail)
+        if tail is not None:
+            outcomes["planned" if plan is not None else "kept for a normal step"] += 1
+        return plan
+
+    monkeypatch.setattr(Scheduler, "admit_after_decodes", counting)
+    params = {"num_blocks": 40, "max_num_seqs": 6, "max_num_batched_tokens": 64}
+    assert_identical(workload, 0.15, prefix_cache=prefix_cache, preemption=preemption, **params)
+    assert outcomes["planned"] > 5 and outcomes["kept for a normal step"] > 0, outcomes
+
+
+@pytest.mark.parametrize(
+    ("workload", "params"),
+    [
+        # Priorities: a prefilling group may sit before others in ``running`` (no tail then).
+        (
+            with_mixed_priorities(chunked_prompts()),
+            {"max_num_batched_tokens": 64, "victim_policy": "priority"},
+        ),
+        (priority_arrivals(), {"num_blocks": 48, "max_num_batched_tokens": 16, "victim_policy": "priority"}),
+        # Blocks registered when scheduled: the tail's chunk registers in its step.
+        (
+            three_turn_chats(4, 120, (5, 60), 40.0, 0.05),
+            {"num_blocks": 64, "max_num_batched_tokens": 48, "register_blocks": "on_schedule"},
+        ),
+        # More sequences than tokens a step: the batch fills the budget, the tail waits.
+        (
+            chunked_prompts(n=2, temperature=1.0),
+            {"num_blocks": 50, "max_num_seqs": 9, "max_num_batched_tokens": 4},
+        ),
+    ],
+    ids=["priorities", "priority_arrivals", "registered_on_schedule", "batch_fills_the_budget"],
+)
+def test_prefilling_tails_under_other_policies_as_stepping(workload, params):
+    assert_identical(workload, **{"num_blocks": 40, "max_num_seqs": 6, **params})
+
+
+def test_tails_behind_the_default_number_of_sequences_as_stepping(monkeypatch):
+    # The production rule (MIN_SEQS_BEFORE_TAIL): 120 requests at once, at most 100 running,
+    # in steps of 128 tokens, so a prompt prefills in chunks behind batches of 64 sequences
+    # and more (and none behind fewer).
+    monkeypatch.setattr(FastForward, "min_seqs_before_tail", fast_forward.MIN_SEQS_BEFORE_TAIL)
+    workload = random_requests(
+        120,
+        {"kind": "uniform", "low": 100, "high": 200},
+        {"kind": "uniform", "low": 150, "high": 250},
+        vocab_size=SPEC.vocab_size,
+        seed=8,
+    )
+    tails = []
+    decode_batch = Scheduler.decode_batch
+
+    def recording(scheduler, min_seqs_before_tail=1):  # type: ignore[no-untyped-def]
+        batch = decode_batch(scheduler, min_seqs_before_tail)
+        if batch is not None and batch.tail is not None:
+            tails.append(len(batch.pairs))
+        return batch
+
+    monkeypatch.setattr(Scheduler, "decode_batch", recording)
+    assert_identical(workload, 0.1, num_blocks=1024, max_num_seqs=100, max_num_batched_tokens=128)
+    assert tails and min(tails) >= fast_forward.MIN_SEQS_BEFORE_TAIL, tails
+
+
 # --------------------------------------------------------------------------- the slab engine
 @pytest.mark.parametrize(
     "reserve, placement, num_blocks",
@@ -646,17 +757,24 @@ def test_slab_eos_ends_runs():
     assert_identical(workload, 0.3, spec, CountingSlabEngine, **params)
 
 
-def _decode_batch_by_the_rule(scheduler) -> list | None:  # type: ignore[no-untyped-def]
-    """``decode_batch``'s answer with ``is_decode_ready`` asked of every running group
-    (``decode_batch`` asks it only of the groups marked changed): nothing swapped, every
-    group ready, the batch within the token budget. (Pending rejections and a prepared
-    step never occur below: every request fits, and an engine that steps one iteration
-    per call prepares none.)"""
+def _decode_batch_by_the_rule(scheduler) -> tuple[list, object] | None:  # type: ignore[no-untyped-def]
+    """``decode_batch``'s answer, pairs and tail, with ``is_decode_ready`` asked of every
+    running group (``decode_batch`` asks it only of the groups marked changed): nothing
+    swapped, every group ready but perhaps the last, which then ``may_follow_decodes``
+    (the tail) behind at least one ready group, the batch within the token budget.
+    (Pending rejections and a prepared step never occur below: every request fits, and an
+    engine that steps one iteration per call prepares none.)"""
     running = scheduler.running
-    if scheduler.swapped or not running or not all(map(is_decode_ready, running)):
+    if scheduler.swapped or not running:
         return None
-    pairs = [(group, seq) for group in running for seq in group.seqs]
-    return pairs if len(pairs) <= scheduler.config.max_num_batched_tokens else None
+    tail = None if is_decode_ready(running[-1]) else running[-1]
+    batched = running[:-1] if tail is not None else running
+    if not batched or not all(map(is_decode_ready, batched)):
+        return None
+    if tail is not None and not may_follow_decodes(tail):
+        return None
+    pairs = [(group, seq) for group in batched for seq in group.seqs]
+    return (pairs, tail) if len(pairs) <= scheduler.config.max_num_batched_tokens else None
 
 
 class BatchCheckingEngine(PagedEngine):
@@ -664,46 +782,52 @@ class BatchCheckingEngine(PagedEngine):
     with the rule read from every running group."""
 
     num_batches = 0
+    num_tails = 0
 
     def step(self):  # type: ignore[no-untyped-def]
-        batch = self.scheduler.decode_batch()
         expected = _decode_batch_by_the_rule(self.scheduler)
+        if expected is not None and expected[1] is not None:
+            # A tail behind fewer sequences than asked for: no batch, no mark cleared.
+            assert self.scheduler.decode_batch(len(expected[0]) + 1) is None
+        batch = self.scheduler.decode_batch()
         assert (batch is None) == (expected is None)
         if batch is not None:
-            assert batch.pairs == expected
-            assert batch.seqs == [seq for _, seq in expected]
-            assert batch.seq_ids == [seq.seq_id for _, seq in expected]
+            pairs, tail = expected
+            assert batch.pairs == pairs
+            assert batch.seqs == [seq for _, seq in pairs]
+            assert batch.seq_ids == [seq.seq_id for _, seq in pairs]
+            assert batch.tail is tail
             self.num_batches += 1
+            self.num_tails += tail is not None
         self.scheduler.check()  # every running group not marked changed is decode-ready
         return super().step()
 
 
 @pytest.mark.parametrize(
-    ("workload", "params"),
+    ("workload", "params", "with_tails"),
     [
         (
-            random_requests(
-                16,
-                {"kind": "uniform", "low": 20, "high": 300},
-                {"kind": "uniform", "low": 5, "high": 90},
-                {"kind": "poisson", "rate_per_s": 40.0},
-                vocab_size=SPEC.vocab_size,
-                seed=3,
-            ),
+            chunked_prompts(),
             {"num_blocks": 40, "max_num_seqs": 6, "max_num_batched_tokens": 64},  # chunks, preemption
+            True,
         ),
         (
             best_of_n(
                 6, 30, {"kind": "uniform", "low": 10, "high": 60}, n=3, vocab_size=SPEC.vocab_size, seed=4
             ),
             {"num_blocks": 40, "max_num_seqs": 9, "preemption": "swap"},
+            False,
         ),
-        (random_requests(4, 30, 25, vocab_size=SPEC.vocab_size, seed=6, beam_width=2), {"num_blocks": 64}),
-        (priority_arrivals(), {"num_blocks": 48, "max_num_seqs": 8, "victim_policy": "priority"}),
+        (
+            random_requests(4, 30, 25, vocab_size=SPEC.vocab_size, seed=6, beam_width=2),
+            {"num_blocks": 64},
+            False,
+        ),
+        (priority_arrivals(), {"num_blocks": 48, "max_num_seqs": 8, "victim_policy": "priority"}, False),
     ],
     ids=["chunks_and_preemption", "samples_and_swaps", "beams", "priorities"],
 )
-def test_decode_batch_checks_only_changed_groups_and_answers_as_the_rule(workload, params):
+def test_decode_batch_checks_only_changed_groups_and_answers_as_the_rule(workload, params, with_tails):
     ctx = EngineContext(SPEC, SLOW, None, "cpu", "fp32", 0, "sim")
     engine = BatchCheckingEngine(
         ctx, executor=CostModelExecutor.from_context(ctx, block_size=16), fast_forward=False, **params
@@ -712,6 +836,8 @@ def test_decode_batch_checks_only_changed_groups_and_answers_as_the_rule(workloa
     assert len(raw.requests) == len(workload.requests)
     if not any(request.beam_width > 1 for request in workload.requests):
         assert engine.num_batches > 0  # decode batches were really formed
+    if with_tails:
+        assert engine.num_tails > 0  # some behind which a prompt was prefilled in chunks
 
 
 def test_check_catches_running_sequences_kept_out_of_step():

@@ -222,6 +222,15 @@ def is_decode_ready(group: SequenceGroup) -> bool:
     return True
 
 
+def may_follow_decodes(group: SequenceGroup) -> bool:
+    """Whether a running group that is not decode-ready may still share a decode batch's
+    step as the last running group (``DecodeBatch.tail``): one sequence, no beam, nothing
+    detached. ``_schedule_running`` then plans it as in any step, after the batch, and
+    making room for it can preempt only itself (victims come from the end of ``running``),
+    never a group of the batch. Pure."""
+    return len(group.seqs) == 1 and not group.is_beam and not group.num_detached
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeBatch:
     """``Scheduler.decode_batch``'s answer: the step's (group, sequence) pairs in chunk
@@ -229,7 +238,8 @@ class DecodeBatch:
     previous batch was returned (joined ``running``, computed a chunk, took a token,
     forked; some may have left ``running`` since). A pair whose group is not in
     ``changed`` and that was in the previous batch has changed only through that
-    batch's decode-run calls: a caller may carry what it knew about it. ``seqs``: the
+    batch's decode-run calls: a caller may carry what it knew about it (``changed`` also
+    lists the previous batch's tail, whose marks a batch keeps). ``seqs``: the
     pairs' sequences, in order; ``seq_ids``: their ids. The lists are the batch's own
     (the scheduler's queues change under a run that admits or retires)."""
 
@@ -237,6 +247,10 @@ class DecodeBatch:
     seqs: list[Sequence]
     seq_ids: list[int]
     changed: tuple[SequenceGroup, ...]
+    # The last running group when it is not decode-ready but may follow the batch in its
+    # step (``may_follow_decodes``: a prompt prefilled in chunks, mostly), planned after the
+    # batch by ``admit_after_decodes``; None when the batch holds every running group.
+    tail: SequenceGroup | None
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -502,42 +516,62 @@ class Scheduler:
     # (``quiet_decode_steps``) go together: ``complete_decodes_many``, then
     # ``DecodeRun.advance_many`` committing each step after its blocks are taken.
 
-    def decode_batch(self) -> DecodeBatch | None:
+    def decode_batch(self, min_seqs_before_tail: int = 1) -> DecodeBatch | None:
         """The (group, sequence) pairs of the next step, in chunk order, when that step can
-        only decode one token for every running sequence, else None. Mutates only the
-        change marks: a batch returned clears them (its ``changed`` lists them).
+        only decode one token for every sequence of the batch: every running one, or every
+        one but the last group's (the ``tail``, below); else None. Mutates only the change
+        marks: a batch returned clears them (its ``changed`` lists them) but the tail's.
 
         None when rejections are pending, a group is swapped, a beam group runs (beams
         are ranked jointly), a prompt is not fully computed, a sample group has not
-        forked yet, or the batch exceeds the token budget. The KV side (no copy-on-write
-        ahead) is the caller's to check: the manager's ``try_decode_run`` answers it
-        while building the run. Whether a waiting group would be admitted is checked per
-        step by ``append_decodes``. Only groups changed since the last batch are checked
+        forked yet, or the batch exceeds the token budget. One exception: the last
+        running group alone may be not decode-ready when it ``may_follow_decodes`` (a
+        prompt prefilled in chunks, mostly): the batch then holds the others and names
+        it as its ``tail``, which only its first step may take, planning the tail after
+        the batch (``admit_after_decodes``), when the batch holds at least
+        ``min_seqs_before_tail`` sequences (the caller's rule for when that pays). The KV side (no copy-on-write ahead) is the
+        caller's to check: the manager's ``try_decode_run`` answers it while building
+        the run. Whether a waiting group would be admitted is checked per step by
+        ``append_decodes``. Only groups changed since the last batch are checked
         (``_unchecked``): the others are ready by the invariant.
         """
         if self._pending_rejections or self.swapped or not self.running or self._prepared is not None:
             return None
         unchecked = self._unchecked
         running_status = GroupStatus.RUNNING
+        running = self.running
+        tail = None
         for group in unchecked.values():
             if group.status is running_status and not is_decode_ready(group):
-                return None
-        running = self.running
+                if tail is not None or group is not running[-1] or not may_follow_decodes(group):
+                    return None
+                tail = group
+        num_batched = len(running) - (tail is not None)
+        if not num_batched:
+            return None  # the tail alone: a normal step
         if self._single_samples():
             # Each group's one live sequence (num_running_seqs), kept next to running:
-            # copies in C, the pairs zipped in C.
-            seqs = self._running_seqs.copy()
-            seq_ids = self._running_seq_ids.copy()
+            # copies in C, the pairs zipped in C (up to the tail's).
+            if tail is None:
+                seqs = self._running_seqs.copy()
+                seq_ids = self._running_seq_ids.copy()
+            else:
+                seqs = self._running_seqs[:num_batched]
+                seq_ids = self._running_seq_ids[:num_batched]
             pairs = list(zip(running, seqs))
         else:
-            pairs = [(group, seq) for group in running for seq in group.seqs]
+            pairs = [(group, seq) for group in running[:num_batched] for seq in group.seqs]
             seqs = [seq for _, seq in pairs]
             seq_ids = [seq.seq_id for seq in seqs]
         if len(pairs) > self.config.max_num_batched_tokens:
             return None
+        if tail is not None and len(pairs) < min_seqs_before_tail:
+            return None
         changed = tuple(unchecked.values())
         unchecked.clear()
-        return DecodeBatch(pairs, seqs, seq_ids, changed)
+        if tail is not None:
+            unchecked[id(tail)] = tail  # still not decode-ready: checked again next time
+        return DecodeBatch(pairs, seqs, seq_ids, changed, tail)
 
     def append_decodes(self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun) -> bool:
         """Reserve one decode slot per sequence of ``pairs`` (the running loop of ``schedule``)
@@ -556,33 +590,56 @@ class Scheduler:
         return False
 
     def admit_after_decodes(
-        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun
+        self,
+        pairs: list[tuple[SequenceGroup, Sequence]],
+        run: DecodeRun,
+        tail: SequenceGroup | None = None,
     ) -> SchedulerOutput | None:
         """``append_decodes`` for a step whose decode tokens the caller completes itself
         (``complete_decodes``, ``finish_decodes``): None for a plain decode step; otherwise
-        the plan of the step's other work (swap-in and admission, as ``schedule`` plans it
-        after these decodes), whose chunks, counts and ``complete_step`` targets leave out
-        the batch. Complete it with ``complete_decodes`` then ``complete_step``, the order
-        in which ``complete_step`` commits a whole step. Mutates what ``append_decodes`` does."""
-        return self._plan_after_decodes(pairs, run, outside=True)
+        the plan of the step's other work (the batch's ``tail``, then swap-in and
+        admission, as ``schedule`` plans them after these decodes), whose chunks, counts
+        and ``complete_step`` targets leave out the batch. Complete it with
+        ``complete_decodes`` then ``complete_step``, the order in which ``complete_step``
+        commits a whole step.
+        With a ``tail`` (``DecodeBatch.tail``) a plan is always returned (empty when the
+        batch fills the token budget), so None means something else: making room for the tail preempted it (itself: it is the last
+        running group), and the whole step's plan, the batch's pieces included, is kept
+        for the next ``schedule`` call, as when ``append_decodes`` returns False.
+        Mutates what ``append_decodes`` does."""
+        return self._plan_after_decodes(pairs, run, outside=True, tail=tail)
 
     def _plan_after_decodes(
-        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, outside: bool
+        self,
+        pairs: list[tuple[SequenceGroup, Sequence]],
+        run: DecodeRun,
+        outside: bool,
+        tail: SequenceGroup | None = None,
     ) -> SchedulerOutput | None:
         """Reserve the batch's decode slots through ``run``; None when no waiting group could
-        start in the step, else the step's plan (``_finish_plan``), whose pieces include the
-        batch's unless ``outside`` (its caller completes them)."""
+        start in the step and there is no ``tail``, else the step's plan (``_finish_plan``),
+        whose pieces include the batch's unless ``outside`` (its caller completes them).
+        A ``tail`` is planned after the batch as ``_plan_running`` plans it; when that
+        preempts it, the plan (batch included) is kept for the next ``schedule`` and the
+        answer is None."""
         run.advance()
         budget = self.config.max_num_batched_tokens - len(pairs)
-        if not self._head_may_start(budget):
+        if tail is None and not self._head_may_start(budget):
             return None
         self._begin_plan()
-        # The batch's pieces stay planned: admission reads whether any piece is planned.
-        if outside:
-            self._num_outside_pieces = len(pairs)  # no tuple per sequence: most runs' step
-        else:
-            self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
         self._budget = budget
+        # The batch's pieces stay planned: admission reads whether any piece is planned.
+        if outside and tail is None:
+            self._num_outside_pieces = len(pairs)  # no tuple per sequence: most runs' step
+            return self._finish_plan()
+        self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
+        if tail is not None and not self._schedule_running(tail):
+            # It preempted itself (the last running group: the first victim).
+            self._prepared = self._finish_plan()
+            return None
+        if tail is not None and outside:
+            del self._pieces[: len(pairs)]  # the batch's go to the caller
+            self._num_outside_pieces = len(pairs)
         return self._finish_plan()
 
     def complete_decodes(

@@ -7,7 +7,8 @@ runner has told it when the next request arrives. Everything the run does goes t
 declared calls:
 
 - the scheduler's decode-run interface (``Scheduler.decode_batch``, ``append_decodes``,
-  ``admit_after_decodes`` / ``complete_step`` (a run's first step that admits),
+  ``admit_after_decodes`` / ``complete_step`` (a run's first step that admits or plans
+  the batch's prefilling tail),
   ``quiet_decode_steps``, ``complete_decodes`` / ``complete_decodes_many`` /
   ``finish_decodes``),
 - the KV manager's ``DecodeRunKV`` contract and its ``DecodeRun``
@@ -50,6 +51,16 @@ MAX_DECODE_RUN_STEPS = 1024
 # window is longer.
 FIRST_DECODE_WINDOW = 8
 FIRST_DECODE_WINDOW_TOKENS = 1024
+
+# Sequences a decode batch needs before its run's first step also takes the prefill chunk
+# of a group behind it (``DecodeBatch.tail``); with fewer, that step is a normal one. Both
+# give the same step; this is speed only. Measured per engine call (thread time, each
+# call's least over three replays, the same steps both ways): the run's setup and covered output cost about 100 us more than the
+# normal step's plan, chunks, commits and token events for the batch, which cost about
+# 2 us a sequence more (ShareGPT-like traffic with 512-token steps: 80-95 sequences 550
+# against 640 us a step, 208-223 sequences 633 against 1,245; Mooncake's batches of 8-31
+# sequences: 373-387 against 276-305).
+MIN_SEQS_BEFORE_TAIL = 64
 
 # The engine's StepStats builder: (counters before, counters after, keyword figures).
 StatsFn = Callable[..., StepStats]
@@ -203,8 +214,9 @@ class RunLog:
         self.request_ids = request_ids  # per sequence of the run, in batch order
         self.samples = samples
         self.context = context  # KV tokens the batch reads in the run's first step
-        # Waiting and swapped groups, unchanged by the run's steps (a step that admits a
-        # group is left to the next normal step, which pops it from the queue).
+        # Waiting and swapped groups, unchanged by the run's covered steps (a later step
+        # that would admit a group is left to the next normal step, which pops it from the
+        # queue; a first step that admits is an _admission_step, not logged here).
         self.queues = queues
         self.durations_s: list[float] = []
         self.counts: list[tuple[int, ...]] = []  # the KV manager's usage_counts after each step
@@ -360,6 +372,9 @@ class FastForward:
     # Differential check (tests): build every carried batch fresh as well and raise
     # AssertionError where the two differ.
     verify_carry: ClassVar[bool] = False
+    # Scheduler.decode_batch's min_seqs_before_tail (tests lower it to cover tails in
+    # small batches).
+    min_seqs_before_tail: ClassVar[int] = MIN_SEQS_BEFORE_TAIL
 
     def __init__(
         self,
@@ -414,8 +429,8 @@ class FastForward:
     def run(self, now_s: float, next_arrival_s: float) -> StepOutput | None:
         """Take consecutive plain decode steps in one call.
 
-        A run continues while the batch stays the same: every running sequence decodes
-        one token, no block is copied or swapped, the KV manager has the slots the step
+        A run continues while the batch stays the same: every sequence of the batch
+        decodes one token, no block is copied or swapped, the KV manager has the slots the step
         needs (``DecodeRun.can_advance``: no preemption), the head of the waiting queue
         still cannot start, and the step starts before ``next_arrival_s``. The first step in which a sequence produces its
         last token (its length limit or EOS) is the run's last: those sequences retire
@@ -425,13 +440,18 @@ class FastForward:
         over windows of steps, stand-in tokens and the first EOS from vectorised draws,
         and the KV side from a ``DecodeRun``. Steps in which the waiting head provably
         cannot start (``Scheduler.quiet_decode_steps``) are reserved and completed
-        together; the others one at a time, checking the head. Returns None when not even
-        the first step qualifies (the caller steps normally); a step that turns out to
-        admit a waiting group is left planned in the scheduler for that normal step.
+        together; the others one at a time, checking the head. The run's first step may
+        also admit waiting groups, and a batch with a ``tail`` (``DecodeBatch.tail``: the
+        last running group, prefilling behind the batch) takes only that first step, the
+        tail's chunk planned after the batch (``Scheduler.admit_after_decodes``);
+        ``_admission_step`` completes such a step. Returns None when not even the first
+        step qualifies (the caller steps normally); a later step that turns out to admit a
+        waiting group, or a first step whose tail preempts itself, is left planned in the
+        scheduler for that normal step.
         Mutates the scheduler, the KV manager, the executor's totals and the token keys.
         """
         scheduler = self.scheduler
-        batch = scheduler.decode_batch()
+        batch = scheduler.decode_batch(self.min_seqs_before_tail)
         carry, self._carry = self._carry, None  # a run that does not start voids it
         if batch is None:
             return None
@@ -453,7 +473,9 @@ class FastForward:
         finish_step = min(MAX_DECODE_RUN_STEPS + 1, int(np.minimum.reduce(to_limit)))
         request_ids = columns.request_ids.tolist()
         samples = columns.samples.tolist()
-        max_steps = min(finish_step, MAX_DECODE_RUN_STEPS)
+        tail = batch.tail
+        # A batch with a tail (a group prefilling behind it) takes only its first step.
+        max_steps = 1 if tail is not None else min(finish_step, MAX_DECODE_RUN_STEPS)
         executor = self.executor
         context = int(np.add.reduce(lengths))
         eos = self.eos_token_id
@@ -507,10 +529,17 @@ class FastForward:
                 break  # a preemption: a normal step
             counters0 = (kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens, kv.num_evicted_blocks)
             if offset == 0:
-                # The run's first step: one that admits a waiting group is taken here.
-                plan = scheduler.admit_after_decodes(pairs, run)
+                # The run's first step: one that admits a waiting group or plans the tail
+                # is taken here.
+                plan = scheduler.admit_after_decodes(pairs, run, tail)
+                if plan is None and tail is not None:
+                    # The tail preempted itself: the scheduler keeps the step's plan for the
+                    # next normal step, whose stats count from here.
+                    self.prepared_counters = counters0
+                    break
                 if plan is not None:
-                    # The batch decodes this one step; the admitted groups are changes.
+                    # The batch decodes this one step; the tail and the admitted groups are
+                    # changes.
                     self._carry = _Carry.of(id_array, columns.advanced(1), run)
                     first_tokens = modeled.tokens[:, 0]
                     return self._admission_step(
@@ -577,7 +606,8 @@ class FastForward:
         candidates: list[int],
     ) -> StepOutput:
         """Take a step in which the decode batch ``batch`` (slots reserved) runs next to
-        ``plan``, the admission ``Scheduler.admit_after_decodes`` planned, in the order a
+        ``plan``, the rest of the step ``Scheduler.admit_after_decodes`` planned (the
+        batch's tail's chunk, admissions), in the order a
         normal step completes it: the batch's commits and tokens (``step_tokens``, one per
         pair), the plan's chunks, the KV usage as executed, then the batch's finished
         sequences, then the plan's sampled tokens. ``context``: the batch's decode context
@@ -589,7 +619,8 @@ class FastForward:
         events. Mutates the scheduler, KV manager, executor totals and stand-in keys."""
         scheduler, kv = self.scheduler, self.kv
         pairs = batch.pairs
-        # A plan after a decode batch only admits: nothing is swapped, nothing preempted.
+        # A plan after a decode batch only plans the tail and admits: nothing is swapped,
+        # nothing preempted (a tail that preempts itself leaves its step to a normal one).
         assert not plan.num_preemptions and all(not op.swap_in and not op.swap_out for op in plan.kv_ops)
         num_seqs = len(pairs)
         shape = dataclasses.replace(
