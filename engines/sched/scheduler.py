@@ -526,12 +526,13 @@ class Scheduler:
         are ranked jointly), a prompt is not fully computed, a sample group has not
         forked yet, or the batch exceeds the token budget. One exception: the last
         running group alone may be not decode-ready when it ``may_follow_decodes`` (a
-        prompt prefilled in chunks, mostly): the batch then holds the others and names
-        it as its ``tail``, which only its first step may take, planning the tail after
-        the batch (``admit_after_decodes``), when the batch holds at least
-        ``min_seqs_before_tail`` sequences (the caller's rule for when that pays). The KV side (no copy-on-write ahead) is the
-        caller's to check: the manager's ``try_decode_run`` answers it while building
-        the run. Whether a waiting group would be admitted is checked per step by
+        prompt prefilled in chunks, mostly) and the others hold at least
+        ``min_seqs_before_tail`` sequences (the caller's rule for when that pays): the
+        batch then holds the others and names it as its ``tail``, which only the batch's
+        first step may take, planning the tail after the batch
+        (``admit_after_decodes``). The KV side (no copy-on-write ahead) is the caller's
+        to check: the manager's ``try_decode_run`` answers it while building the run.
+        Whether a waiting group would be admitted is checked per step by
         ``append_decodes``. Only groups changed since the last batch are checked
         (``_unchecked``): the others are ready by the invariant.
         """
@@ -603,9 +604,10 @@ class Scheduler:
         ``complete_decodes`` then ``complete_step``, the order in which ``complete_step``
         commits a whole step.
         With a ``tail`` (``DecodeBatch.tail``) a plan is always returned (empty when the
-        batch fills the token budget), so None means something else: making room for the tail preempted it (itself: it is the last
-        running group), and the whole step's plan, the batch's pieces included, is kept
-        for the next ``schedule`` call, as when ``append_decodes`` returns False.
+        batch fills the token budget), so None means something else: making room for
+        the tail preempted it (itself: it is the last running group), and the whole
+        step's plan, the batch's pieces included, is kept for the next ``schedule``
+        call, as when ``append_decodes`` returns False.
         Mutates what ``append_decodes`` does."""
         return self._plan_after_decodes(pairs, run, outside=True, tail=tail)
 

@@ -55,11 +55,11 @@ FIRST_DECODE_WINDOW_TOKENS = 1024
 # Sequences a decode batch needs before its run's first step also takes the prefill chunk
 # of a group behind it (``DecodeBatch.tail``); with fewer, that step is a normal one. Both
 # give the same step; this is speed only. Measured per engine call (thread time, each
-# call's least over three replays, the same steps both ways): the run's setup and covered output cost about 100 us more than the
-# normal step's plan, chunks, commits and token events for the batch, which cost about
-# 2 us a sequence more (ShareGPT-like traffic with 512-token steps: 80-95 sequences 550
-# against 640 us a step, 208-223 sequences 633 against 1,245; Mooncake's batches of 8-31
-# sequences: 373-387 against 276-305).
+# call's least over three replays, the same steps both ways): a run's setup and covered
+# output cost about 100 us a step more than a normal step's, whose plan, chunks, commits
+# and token events cost about 2 us more per batch sequence (ShareGPT-like traffic in
+# 512-token steps: 80-95 sequences 550 against 640 us a step, 208-223 sequences 633
+# against 1,245; Mooncake's batches of 8-31 sequences: 373-387 against 276-305).
 MIN_SEQS_BEFORE_TAIL = 64
 
 # The engine's StepStats builder: (counters before, counters after, keyword figures).
@@ -430,8 +430,8 @@ class FastForward:
         """Take consecutive plain decode steps in one call.
 
         A run continues while the batch stays the same: every sequence of the batch
-        decodes one token, no block is copied or swapped, the KV manager has the slots the step
-        needs (``DecodeRun.can_advance``: no preemption), the head of the waiting queue
+        decodes one token, no block is copied or swapped, the KV manager has the slots
+        the step needs (``DecodeRun.can_advance``: no preemption), the head of the waiting queue
         still cannot start, and the step starts before ``next_arrival_s``. The first step in which a sequence produces its
         last token (its length limit or EOS) is the run's last: those sequences retire
         after it, in batch order, as ``StandInTokens.advance`` retires them. Each step updates the scheduler, KV
