@@ -550,6 +550,10 @@ class Scheduler:
         num_batched = len(running) - (tail is not None)
         if not num_batched:
             return None  # the tail alone: a normal step
+        # (Asked before the batch is built: most steps behind a tail take this exit where
+        # batches are small. The tail runs one sequence.)
+        if tail is not None and self.num_running_seqs() - 1 < min_seqs_before_tail:
+            return None
         if self._single_samples():
             # Each group's one live sequence (num_running_seqs), kept next to running:
             # copies in C, the pairs zipped in C (up to the tail's).
@@ -565,8 +569,6 @@ class Scheduler:
             seqs = [seq for _, seq in pairs]
             seq_ids = [seq.seq_id for seq in seqs]
         if len(pairs) > self.config.max_num_batched_tokens:
-            return None
-        if tail is not None and len(pairs) < min_seqs_before_tail:
             return None
         changed = tuple(unchecked.values())
         unchecked.clear()
