@@ -544,16 +544,18 @@ class Scheduler:
         tail = None
         for group in unchecked.values():
             if group.status is running_status and not is_decode_ready(group):
-                if tail is not None or group is not running[-1] or not may_follow_decodes(group):
+                # A tail needs at least min_seqs_before_tail (and one) sequences before it,
+                # besides its own one: asked here, so that the first group not ready ends
+                # the check where batches are small, as before tails existed.
+                if (
+                    tail is not None
+                    or group is not running[-1]
+                    or not may_follow_decodes(group)
+                    or self.num_running_seqs() - 1 < max(min_seqs_before_tail, 1)
+                ):
                     return None
                 tail = group
         num_batched = len(running) - (tail is not None)
-        if not num_batched:
-            return None  # the tail alone: a normal step
-        # (Asked before the batch is built: most steps behind a tail take this exit where
-        # batches are small. The tail runs one sequence.)
-        if tail is not None and self.num_running_seqs() - 1 < min_seqs_before_tail:
-            return None
         if self._single_samples():
             # Each group's one live sequence (num_running_seqs), kept next to running:
             # copies in C, the pairs zipped in C (up to the tail's).
