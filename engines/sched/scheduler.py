@@ -613,39 +613,47 @@ class Scheduler:
         step's plan, the batch's pieces included, is kept for the next ``schedule``
         call, as when ``append_decodes`` returns False.
         Mutates what ``append_decodes`` does."""
-        return self._plan_after_decodes(pairs, run, outside=True, tail=tail)
+        if tail is None:
+            return self._plan_after_decodes(pairs, run, outside=True)
+        return self._plan_tail_after_decodes(pairs, run, tail)
 
     def _plan_after_decodes(
-        self,
-        pairs: list[tuple[SequenceGroup, Sequence]],
-        run: DecodeRun,
-        outside: bool,
-        tail: SequenceGroup | None = None,
+        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, outside: bool
     ) -> SchedulerOutput | None:
         """Reserve the batch's decode slots through ``run``; None when no waiting group could
-        start in the step and there is no ``tail``, else the step's plan (``_finish_plan``),
-        whose pieces include the batch's unless ``outside`` (its caller completes them).
-        A ``tail`` is planned after the batch as ``_plan_running`` plans it; when that
-        preempts it, the plan (batch included) is kept for the next ``schedule`` and the
-        answer is None."""
+        start in the step, else the step's plan (``_finish_plan``), whose pieces include
+        the batch's unless ``outside`` (its caller completes them)."""
         run.advance()
         budget = self.config.max_num_batched_tokens - len(pairs)
-        if tail is None and not self._head_may_start(budget):
+        if not self._head_may_start(budget):
             return None
         self._begin_plan()
         self._budget = budget
         # The batch's pieces stay planned: admission reads whether any piece is planned.
-        if outside and tail is None:
+        if outside:
             self._num_outside_pieces = len(pairs)  # no tuple per sequence: most runs' step
-            return self._finish_plan()
+        else:
+            self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
+        return self._finish_plan()
+
+    def _plan_tail_after_decodes(
+        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, tail: SequenceGroup
+    ) -> SchedulerOutput | None:
+        """Reserve the batch's decode slots through ``run``, then plan ``tail`` after the
+        batch's pieces as ``_plan_running`` plans it, then swap-in and admission: the
+        step's plan less the batch's pieces (the caller completes them). When making room
+        for the tail preempts it (the last running group: the first victim), the whole
+        step's plan, the batch's pieces included, is kept for the next ``schedule`` and
+        the answer is None."""
+        run.advance()
+        self._begin_plan()
+        self._budget = self.config.max_num_batched_tokens - len(pairs)
         self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
-        if tail is not None and not self._schedule_running(tail):
-            # It preempted itself (the last running group: the first victim).
+        if not self._schedule_running(tail):
             self._prepared = self._finish_plan()
             return None
-        if tail is not None and outside:
-            del self._pieces[: len(pairs)]  # the batch's go to the caller
-            self._num_outside_pieces = len(pairs)
+        del self._pieces[: len(pairs)]  # the batch's go to the caller
+        self._num_outside_pieces = len(pairs)
         return self._finish_plan()
 
     def complete_decodes(

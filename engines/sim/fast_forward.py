@@ -54,12 +54,13 @@ FIRST_DECODE_WINDOW_TOKENS = 1024
 
 # Sequences a decode batch needs before its run's first step also takes the prefill chunk
 # of a group behind it (``DecodeBatch.tail``); with fewer, that step is a normal one. Both
-# give the same step; this is speed only. Measured per engine call (thread time, each
-# call's least over three replays, the same steps both ways): a run's setup and covered
-# output cost about 100 us a step more than a normal step's, whose plan, chunks, commits
-# and token events cost about 2 us more per batch sequence (ShareGPT-like traffic in
-# 512-token steps: 80-95 sequences 550 against 640 us a step, 208-223 sequences 633
-# against 1,245; Mooncake's batches of 8-31 sequences: 373-387 against 276-305).
+# give the same step; this is speed only. A run's setup and covered output cost about
+# 100 us a step more than a normal step's, whose plan, chunks, commits and token events
+# cost about 2 us more per batch sequence, so a tail pays behind large batches only.
+# Interleaved replays, tails on against off (thread CPU time, min / median / max of the
+# ratio): ShareGPT-like traffic in 512-token steps (batches up to about 220 sequences)
+# 0.52 / 0.58 / 0.70 over 7 rounds; Mooncake (batches of 8-31) with every tail taken
+# 1.07 / 1.13 / 1.30 over 5.
 MIN_SEQS_BEFORE_TAIL = 64
 
 # The engine's StepStats builder: (counters before, counters after, keyword figures).
