@@ -24,7 +24,7 @@ from sim_workloads import mooncake_head
 from kvbench.engines.kv.paged import PagedDecodeRun, PagedKVManager
 from kvbench.engines.kv.slab import SlabKVManager
 from kvbench.engines.paged import PagedEngine
-from kvbench.engines.sched.scheduler import Scheduler, is_decode_ready, may_follow_decodes
+from kvbench.engines.sched.scheduler import REGISTER_BLOCKS, Scheduler, is_decode_ready, may_follow_decodes
 from kvbench.engines.sim import fast_forward
 from kvbench.engines.sim.executor import CostModelExecutor
 from kvbench.engines.sim.fast_forward import FastForward
@@ -464,6 +464,10 @@ ENGINE_VARIANTS = [
     variant=st.sampled_from(ENGINE_VARIANTS),
     tiny_vocab=st.booleans(),
     seed=st.integers(0, 1000),
+    chunked_prefill=st.booleans(),
+    victim_policy=st.sampled_from(["newest", "priority"]),
+    preemption=st.sampled_from(["recompute", "swap"]),
+    register_blocks=st.sampled_from(REGISTER_BLOCKS),
 )
 def test_property_fast_forward_equals_stepping(
     num_requests,
@@ -477,6 +481,10 @@ def test_property_fast_forward_equals_stepping(
     variant,
     tiny_vocab,
     seed,
+    chunked_prefill,
+    victim_policy,
+    preemption,
+    register_blocks,
 ):
     # A tiny vocabulary (one regular id) fills blocks with the same ids: keys repeat across
     # requests and samples, so prefix hits, evictions and radix block swaps come often.
@@ -491,7 +499,14 @@ def test_property_fast_forward_equals_stepping(
         n=n,
         temperature=1.0 if n > 1 else 0.0,
     )
+    if victim_policy == "priority":
+        workload = with_mixed_priorities(workload)
     engine, engine_params = variant
+    # The scheduler's policies: the slab engine takes chunking and the victim policy only
+    # (it never swaps, and registers nothing).
+    policies: dict[str, object] = {"chunked_prefill": chunked_prefill, "victim_policy": victim_policy}
+    if engine == "paged":
+        policies.update(preemption=preemption, register_blocks=register_blocks)
     assert_identical(
         workload,
         spec=spec,
@@ -501,6 +516,7 @@ def test_property_fast_forward_equals_stepping(
         max_num_seqs=max(max_num_seqs, n),
         max_num_batched_tokens=max_num_batched_tokens,
         **engine_params,
+        **policies,
     )
 
 
@@ -644,15 +660,14 @@ def test_prompts_prefilled_in_chunks_behind_a_decode_batch_as_stepping(prefix_ca
     # itself and the step is planned whole for a normal step.
     workload = chunked_prompts()
     outcomes = {"planned": 0, "kept for a normal step": 0}
-    admit_after_decodes = Scheduler.admit_after_decodes
+    plan_tail_after_decodes = Scheduler.plan_tail_after_decodes
 
-    def counting(scheduler, pairs, run, tail=None):  # type: ignore[no-untyped-def]
-        plan = admit_after_decodes(scheduler, pairs, run, tail)
-        if tail is not None:
-            outcomes["planned" if plan is not None else "kept for a normal step"] += 1
+    def counting(scheduler, pairs, run, tail):  # type: ignore[no-untyped-def]
+        plan = plan_tail_after_decodes(scheduler, pairs, run, tail)
+        outcomes["planned" if plan is not None else "kept for a normal step"] += 1
         return plan
 
-    monkeypatch.setattr(Scheduler, "admit_after_decodes", counting)
+    monkeypatch.setattr(Scheduler, "plan_tail_after_decodes", counting)
     params = {"num_blocks": 40, "max_num_seqs": 6, "max_num_batched_tokens": 64}
     assert_identical(workload, 0.15, prefix_cache=prefix_cache, preemption=preemption, **params)
     assert outcomes["planned"] > 5 and outcomes["kept for a normal step"] > 0, outcomes

@@ -38,7 +38,6 @@ import operator
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -169,6 +168,10 @@ class SchedulerOutput:
     num_recomputed_tokens: int
     first_scheduled: tuple[str, ...]
     rejected: tuple[RejectedRequest, ...]
+    # The step's composition for the cost model (host bytes left 0: the executor knows the
+    # block bytes), built with the chunks: the sim executor prices it and the engine
+    # records it in the step stats.
+    shape: StepShape
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -177,20 +180,6 @@ class SchedulerOutput:
     @property
     def num_sampling_chunks(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.sample)
-
-    @cached_property
-    def shape(self) -> StepShape:
-        """The step's composition for the cost model (host bytes left 0: the executor
-        knows the block bytes). Computed once per output: the sim executor prices it and
-        the engine records it in the step stats."""
-        prefill_chunks = []
-        decode_lens = []
-        for chunk in self.chunks:
-            if chunk.is_decode:
-                decode_lens.append(chunk.start_pos + 1)
-            else:
-                prefill_chunks.append((chunk.start_pos, len(chunk.token_ids)))
-        return StepShape.build(prefill_chunks, decode_lens)
 
 
 def is_decode_chunk(seq: Sequence, start: int, num_tokens: int) -> bool:
@@ -249,7 +238,7 @@ class DecodeBatch:
     changed: tuple[SequenceGroup, ...]
     # The last running group when it is not decode-ready but may follow the batch in its
     # step (``may_follow_decodes``: a prompt prefilled in chunks, mostly), planned after the
-    # batch by ``admit_after_decodes``; None when the batch holds every running group.
+    # batch by ``plan_tail_after_decodes``; None when the batch holds every running group.
     tail: SequenceGroup | None
 
 
@@ -304,8 +293,8 @@ class Scheduler:
         # Per-step planning state.
         self._pieces: list[_Piece] = []
         # Decode pieces planned outside ``_pieces``: a decode run's batch, whose caller
-        # completes it (``admit_after_decodes``). They count as planned (admission reads
-        # whether anything is: ``_has_pieces``) but make no chunks.
+        # completes it (``admit_after_decodes``, ``plan_tail_after_decodes``). They count as
+        # planned (admission reads whether anything is: ``_has_pieces``) but make no chunks.
         self._num_outside_pieces = 0
         self._ops: list[KVOps] = []
         self._budget = 0
@@ -494,7 +483,7 @@ class Scheduler:
         if not self.running and not self._has_pieces():
             rejected.extend(self._reject_stuck_head())
 
-        chunks, num_prefill, num_decode, num_recomputed = self._finalize_pieces()
+        chunks, num_prefill, num_decode, num_recomputed, shape = self._finalize_pieces()
         return SchedulerOutput(
             chunks=chunks,
             kv_ops=tuple(self._ops),
@@ -504,6 +493,7 @@ class Scheduler:
             num_recomputed_tokens=num_recomputed,
             first_scheduled=tuple(first_scheduled),
             rejected=tuple(rejected),
+            shape=shape,
         )
 
     # ------------------------------------------------------------------ decode runs (simulation)
@@ -530,7 +520,7 @@ class Scheduler:
         ``min_seqs_before_tail`` sequences (the caller's rule for when that pays): the
         batch then holds the others and names it as its ``tail``, which only the batch's
         first step may take, planning the tail after the batch
-        (``admit_after_decodes``). The KV side (no copy-on-write ahead) is the caller's
+        (``plan_tail_after_decodes``). The KV side (no copy-on-write ahead) is the caller's
         to check: the manager's ``try_decode_run`` answers it while building the run.
         Whether a waiting group would be admitted is checked per step by
         ``append_decodes``. Only groups changed since the last batch are checked
@@ -595,27 +585,16 @@ class Scheduler:
         return False
 
     def admit_after_decodes(
-        self,
-        pairs: list[tuple[SequenceGroup, Sequence]],
-        run: DecodeRun,
-        tail: SequenceGroup | None = None,
+        self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun
     ) -> SchedulerOutput | None:
         """``append_decodes`` for a step whose decode tokens the caller completes itself
         (``complete_decodes``, ``finish_decodes``): None for a plain decode step; otherwise
-        the plan of the step's other work (the batch's ``tail``, then swap-in and
-        admission, as ``schedule`` plans them after these decodes), whose chunks, counts
-        and ``complete_step`` targets leave out the batch. Complete it with
-        ``complete_decodes`` then ``complete_step``, the order in which ``complete_step``
-        commits a whole step.
-        With a ``tail`` (``DecodeBatch.tail``) a plan is always returned (empty when the
-        batch fills the token budget), so None means something else: making room for
-        the tail preempted it (itself: it is the last running group), and the whole
-        step's plan, the batch's pieces included, is kept for the next ``schedule``
-        call, as when ``append_decodes`` returns False.
+        the plan of the step's other work (swap-in and admission, as ``schedule`` plans
+        them after these decodes), whose chunks, counts and ``complete_step`` targets
+        leave out the batch. Complete it with ``complete_decodes`` then ``complete_step``,
+        the order in which ``complete_step`` commits a whole step.
         Mutates what ``append_decodes`` does."""
-        if tail is None:
-            return self._plan_after_decodes(pairs, run, outside=True)
-        return self._plan_tail_after_decodes(pairs, run, tail)
+        return self._plan_after_decodes(pairs, run, outside=True)
 
     def _plan_after_decodes(
         self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, outside: bool
@@ -636,15 +615,18 @@ class Scheduler:
             self._pieces = [(group, seq, seq.num_computed_tokens, 1) for group, seq in pairs]
         return self._finish_plan()
 
-    def _plan_tail_after_decodes(
+    def plan_tail_after_decodes(
         self, pairs: list[tuple[SequenceGroup, Sequence]], run: DecodeRun, tail: SequenceGroup
     ) -> SchedulerOutput | None:
-        """Reserve the batch's decode slots through ``run``, then plan ``tail`` after the
-        batch's pieces as ``_plan_running`` plans it, then swap-in and admission: the
-        step's plan less the batch's pieces (the caller completes them). When making room
-        for the tail preempts it (the last running group: the first victim), the whole
-        step's plan, the batch's pieces included, is kept for the next ``schedule`` and
-        the answer is None."""
+        """``admit_after_decodes`` for a batch with a ``tail`` (``DecodeBatch.tail``):
+        reserve the batch's decode slots through ``run``, then plan the tail after the
+        batch's pieces as ``_plan_running`` plans it, then swap-in and admission. Returns
+        the step's plan less the batch's pieces (the caller completes them, as after
+        ``admit_after_decodes``), empty when the batch fills the token budget. None when
+        making room for the tail preempted it (itself: the last running group is the
+        first victim): the whole step's plan, the batch's pieces included, is then kept
+        for the next ``schedule`` call, as when ``append_decodes`` returns False.
+        Mutates what ``append_decodes`` does."""
         run.advance()
         self._begin_plan()
         self._budget = self.config.max_num_batched_tokens - len(pairs)
@@ -1222,13 +1204,15 @@ class Scheduler:
         self._unchecked.pop(id(group), None)
         group.status = GroupStatus.FINISHED
 
-    def _finalize_pieces(self) -> tuple[tuple[ScheduledChunk, ...], int, int, int]:
-        """Chunks, prefill / decode / recomputed token counts and peaks of the pieces planned
-        in ``_pieces``; they become ``complete_step``'s pieces."""
+    def _finalize_pieces(self) -> tuple[tuple[ScheduledChunk, ...], int, int, int, StepShape]:
+        """Chunks, prefill / decode / recomputed token counts, the step's shape and peaks of
+        the pieces planned in ``_pieces``; they become ``complete_step``'s pieces."""
         kv = self.kv
         chunk_contents = self.chunk_contents
         chunks: list[ScheduledChunk] = []
-        num_prefill = num_decode = num_recomputed = 0
+        num_prefill = num_recomputed = 0
+        prefill_chunks: list[tuple[int, int]] = []  # (start, tokens) per prefill chunk
+        decode_lens: list[int] = []  # per decode chunk: its context, the token decoded included
         touched: dict[int, SequenceGroup] = {}
         pieces = self._pieces
         tables: Iterator[list[int]]  # real mode: every chunk's table, read in one call
@@ -1247,16 +1231,17 @@ class Scheduler:
                 and start >= seq.num_prompt_tokens
                 and start >= seq.num_lost_tokens
             ):
-                num_decode += 1
+                decode_lens.append(start + 1)
                 token_ids, sample, is_decode = [tokens[start]], True, True
             else:
                 end = start + num_tokens
                 sample = end == len(tokens)
                 is_decode = num_tokens == 1 and sample and start >= seq.num_prompt_tokens
                 if is_decode:
-                    num_decode += 1
+                    decode_lens.append(start + 1)
                 else:
                     num_prefill += num_tokens
+                    prefill_chunks.append((start, num_tokens))
                 if start < seq.num_lost_tokens:
                     lost = min(end, seq.num_lost_tokens) - start
                     num_recomputed += lost
@@ -1280,7 +1265,8 @@ class Scheduler:
         for group in touched.values():
             self._update_peaks(group)
         self._last_pieces = pieces
-        return tuple(chunks), num_prefill, num_decode, num_recomputed
+        shape = StepShape.build(prefill_chunks, decode_lens)
+        return tuple(chunks), num_prefill, len(decode_lens), num_recomputed, shape
 
     # ------------------------------------------------------------------ after the forward
     def complete_step(self) -> list[tuple[SequenceGroup, Sequence]]:

@@ -7,8 +7,8 @@ runner has told it when the next request arrives. Everything the run does goes t
 declared calls:
 
 - the scheduler's decode-run interface (``Scheduler.decode_batch``, ``append_decodes``,
-  ``admit_after_decodes`` / ``complete_step`` (a run's first step that admits or plans
-  the batch's prefilling tail),
+  ``admit_after_decodes`` or ``plan_tail_after_decodes`` / ``complete_step`` (a run's
+  first step that admits or plans the batch's prefilling tail),
   ``quiet_decode_steps``, ``complete_decodes`` / ``complete_decodes_many`` /
   ``finish_decodes``),
 - the KV manager's ``DecodeRunKV`` contract and its ``DecodeRun``
@@ -444,7 +444,7 @@ class FastForward:
         together; the others one at a time, checking the head. The run's first step may
         also admit waiting groups, and a batch with a ``tail`` (``DecodeBatch.tail``: the
         last running group, prefilling behind the batch) takes only that first step, the
-        tail's chunk planned after the batch (``Scheduler.admit_after_decodes``);
+        tail's chunk planned after the batch (``Scheduler.plan_tail_after_decodes``);
         ``_admission_step`` completes such a step. Returns None when not even the first
         step qualifies (the caller steps normally); a later step that turns out to admit a
         waiting group, or a first step whose tail preempts itself, is left planned in the
@@ -532,12 +532,15 @@ class FastForward:
             if offset == 0:
                 # The run's first step: one that admits a waiting group or plans the tail
                 # is taken here.
-                plan = scheduler.admit_after_decodes(pairs, run, tail)
-                if plan is None and tail is not None:
-                    # The tail preempted itself: the scheduler keeps the step's plan for the
-                    # next normal step, whose stats count from here.
-                    self.prepared_counters = counters0
-                    break
+                if tail is None:
+                    plan = scheduler.admit_after_decodes(pairs, run)
+                else:
+                    plan = scheduler.plan_tail_after_decodes(pairs, run, tail)
+                    if plan is None:
+                        # The tail preempted itself: the scheduler keeps the step's plan for
+                        # the next normal step, whose stats count from here.
+                        self.prepared_counters = counters0
+                        break
                 if plan is not None:
                     # The batch decodes this one step; the tail and the admitted groups are
                     # changes.
@@ -607,11 +610,11 @@ class FastForward:
         candidates: list[int],
     ) -> StepOutput:
         """Take a step in which the decode batch ``batch`` (slots reserved) runs next to
-        ``plan``, the rest of the step ``Scheduler.admit_after_decodes`` planned (the
-        batch's tail's chunk, admissions), in the order a
-        normal step completes it: the batch's commits and tokens (``step_tokens``, one per
-        pair), the plan's chunks, the KV usage as executed, then the batch's finished
-        sequences, then the plan's sampled tokens. ``context``: the batch's decode context
+        ``plan``, the rest of the step as ``Scheduler.admit_after_decodes`` or
+        ``plan_tail_after_decodes`` planned it (the batch's tail's chunk, admissions), in
+        the order a normal step completes it: the batch's commits and tokens
+        (``step_tokens``, one per pair), the plan's chunks, the KV usage as executed, then
+        the batch's finished sequences, then the plan's sampled tokens. ``context``: the batch's decode context
         (its sequences' lengths, the token decoded included); ``request_ids`` and
         ``samples``: its sequences' requests and sample indexes; ``commit_phases``: the
         batch's ``Scheduler.decode_commit_phases``; ``candidates``: the pairs whose token
