@@ -16,6 +16,7 @@ from kvbench.engines.kv.paged import PagedKVManager
 from kvbench.engines.kv.prefix_cache import NullPrefixIndex
 from kvbench.engines.paged import PagedEngine
 from kvbench.engines.sched.scheduler import Scheduler, SchedulerConfig, is_decode_chunk
+from kvbench.sim.cost_model import StepShape
 from kvbench.types import Request
 
 
@@ -344,7 +345,8 @@ def test_every_chunk_is_a_decode_exactly_when_is_decode_chunk_says(
     """``_finalize_pieces`` writes ``is_decode_chunk``'s rule out inline (a call per
     running sequence per step cost ~3 % of a step): every chunk's ``is_decode`` equals
     the rule asked of its sequence as planned, through prefill chunks, prompts' last
-    tokens, decodes and recomputation after preemption."""
+    tokens, decodes and recomputation after preemption. The step's token counts and
+    ``shape``, built in the same loop, are its chunks'."""
     kv = PagedKVManager(num_blocks, 4, 16, NullPrefixIndex(), num_host_blocks=num_blocks)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, preemption=preemption)
     scheduler = Scheduler(kv, config, eos_token_id=2)
@@ -361,6 +363,11 @@ def test_every_chunk_is_a_decode_exactly_when_is_decode_chunk_says(
             assert chunk.is_decode == rule, chunk
             num_decodes += chunk.is_decode
         assert output.num_decode_tokens == sum(chunk.is_decode for chunk in output.chunks)
+        # The shape _finalize_pieces builds with the chunks is the chunks' own.
+        prefill = [(chunk.start_pos, len(chunk.token_ids)) for chunk in output.chunks if not chunk.is_decode]
+        decode_lens = [chunk.start_pos + 1 for chunk in output.chunks if chunk.is_decode]
+        assert output.shape == StepShape.build(prefill, decode_lens), output.chunks
+        assert output.num_prefill_tokens == sum(num_tokens for _, num_tokens in prefill)
         for group, seq in scheduler.complete_step():
             scheduler.append_token(group, seq, 7)
         scheduler.pop_finished()
