@@ -191,7 +191,8 @@ def test_small_pool_preempts_and_blocks_admission():
 def test_unchunked_prompts_wait_for_a_decoding_batch_as_stepping():
     """Without chunked prefill a prompt longer than the budget left waits while any other
     piece is planned: prompts of up to the whole budget arrive while batches decode, and
-    both paths agree (the property test above keeps chunked prefill on)."""
+    both paths agree (the property test below draws chunked prefill both ways, over far
+    smaller workloads)."""
     workload = random_requests(
         16,
         {"kind": "uniform", "low": 40, "high": 64},

@@ -468,8 +468,9 @@ class Scheduler:
     def _finish_plan(self) -> SchedulerOutput:
         """The rest of ``schedule`` once running groups have their tokens: swap-in, admission.
 
-        Pieces planned outside ``_pieces`` (a decode run's batch, see ``admit_after_decodes``)
-        are left out of the output and of ``complete_step``: their caller completes them."""
+        Pieces planned outside ``_pieces`` (a decode run's batch, see ``admit_after_decodes``
+        and ``plan_tail_after_decodes``) are left out of the output and of
+        ``complete_step``: their caller completes them."""
         first_scheduled: list[str] = []
         rejected, self._pending_rejections = self._pending_rejections, []
         if self._num_preemptions == 0:
@@ -1237,6 +1238,9 @@ class Scheduler:
                 end = start + num_tokens
                 sample = end == len(tokens)
                 is_decode = num_tokens == 1 and sample and start >= seq.num_prompt_tokens
+                # (Never a decode in practice: here that needs start < num_lost_tokens, but a
+                # preemption records at most the computed tokens, fewer than the sequence's.
+                # The general rule stays so that this branch builds any chunk right.)
                 if is_decode:
                     decode_lens.append(start + 1)
                 else:
