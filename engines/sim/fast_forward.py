@@ -432,10 +432,11 @@ class FastForward:
 
         A run continues while the batch stays the same: every sequence of the batch
         decodes one token, no block is copied or swapped, the KV manager has the slots
-        the step needs (``DecodeRun.can_advance``: no preemption), the head of the waiting queue
-        still cannot start, and the step starts before ``next_arrival_s``. The first step in which a sequence produces its
-        last token (its length limit or EOS) is the run's last: those sequences retire
-        after it, in batch order, as ``StandInTokens.advance`` retires them. Each step updates the scheduler, KV
+        the step needs (``DecodeRun.can_advance``: no preemption), the head of the
+        waiting queue still cannot start, and the step starts before ``next_arrival_s``.
+        The first step in which a sequence produces its last token (its length limit or
+        EOS) is the run's last: those sequences retire after it, in batch order, as
+        ``StandInTokens.advance`` retires them. Each step updates the scheduler, KV
         manager and prefix index exactly as a single ``step`` would, without planning
         chunks or modeling each step separately: step times come from cost-model calls
         over windows of steps, stand-in tokens and the first EOS from vectorised draws,
@@ -614,11 +615,11 @@ class FastForward:
         ``plan_tail_after_decodes`` planned it (the batch's tail's chunk, admissions), in
         the order a normal step completes it: the batch's commits and tokens
         (``step_tokens``, one per pair), the plan's chunks, the KV usage as executed, then
-        the batch's finished sequences, then the plan's sampled tokens. ``context``: the batch's decode context
-        (its sequences' lengths, the token decoded included); ``request_ids`` and
-        ``samples``: its sequences' requests and sample indexes; ``commit_phases``: the
-        batch's ``Scheduler.decode_commit_phases``; ``candidates``: the pairs whose token
-        may finish them (``finish_decodes``).
+        the batch's finished sequences, then the plan's sampled tokens. ``context``: the
+        batch's decode context (its sequences' lengths, the token decoded included);
+        ``request_ids`` and ``samples``: its sequences' requests and sample indexes;
+        ``commit_phases``: the batch's ``Scheduler.decode_commit_phases``;
+        ``candidates``: the pairs whose token may finish them (``finish_decodes``).
         Returns the step as one covered step (the batch's tokens) with the plan's token
         events. Mutates the scheduler, KV manager, executor totals and stand-in keys."""
         scheduler, kv = self.scheduler, self.kv
