@@ -4,7 +4,7 @@ built every engine step.
 A frozen dataclass's generated ``__init__`` stores every field with
 ``object.__setattr__(self, name, value)`` (the class's own ``__setattr__`` raises): one
 call per field that looks the name up through the class's MRO, about 1,100
-instructions a field. The engine builds a ``SchedulerOutput`` (9 fields) and a
+instructions a field. The engine builds a ``SchedulerOutput`` (7 fields) and a
 ``KVUsage`` (12) every step, and a simulated step's ``StepStats`` (23) and ``StepOutput``
 (10) besides.
 

@@ -162,20 +162,26 @@ class SchedulerOutput:
 
     chunks: tuple[ScheduledChunk, ...]
     kv_ops: tuple[KVOps, ...]
-    num_prefill_tokens: int
-    num_decode_tokens: int
     num_preemptions: int
     num_recomputed_tokens: int
     first_scheduled: tuple[str, ...]
     rejected: tuple[RejectedRequest, ...]
     # The step's composition for the cost model (host bytes left 0: the executor knows the
-    # block bytes), built with the chunks: the sim executor prices it and the engine
-    # records it in the step stats.
+    # block bytes), built with the chunks: the sim executor prices it, the engine records
+    # it in the step stats, and the token counts below read it.
     shape: StepShape
 
     @property
+    def num_prefill_tokens(self) -> int:
+        return self.shape.num_prefill_tokens
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.shape.num_decode_seqs
+
+    @property
     def num_scheduled_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.shape.num_tokens
 
     @property
     def num_sampling_chunks(self) -> int:
@@ -484,12 +490,10 @@ class Scheduler:
         if not self.running and not self._has_pieces():
             rejected.extend(self._reject_stuck_head())
 
-        chunks, num_prefill, num_decode, num_recomputed, shape = self._finalize_pieces()
+        chunks, num_recomputed, shape = self._finalize_pieces()
         return SchedulerOutput(
             chunks=chunks,
             kv_ops=tuple(self._ops),
-            num_prefill_tokens=num_prefill,
-            num_decode_tokens=num_decode,
             num_preemptions=self._num_preemptions,
             num_recomputed_tokens=num_recomputed,
             first_scheduled=tuple(first_scheduled),
@@ -1205,13 +1209,14 @@ class Scheduler:
         self._unchecked.pop(id(group), None)
         group.status = GroupStatus.FINISHED
 
-    def _finalize_pieces(self) -> tuple[tuple[ScheduledChunk, ...], int, int, int, StepShape]:
-        """Chunks, prefill / decode / recomputed token counts, the step's shape and peaks of
-        the pieces planned in ``_pieces``; they become ``complete_step``'s pieces."""
+    def _finalize_pieces(self) -> tuple[tuple[ScheduledChunk, ...], int, StepShape]:
+        """Chunks, recomputed token count, the step's shape (which counts its prefill and
+        decode tokens) and peaks of the pieces planned in ``_pieces``; they become
+        ``complete_step``'s pieces."""
         kv = self.kv
         chunk_contents = self.chunk_contents
         chunks: list[ScheduledChunk] = []
-        num_prefill = num_recomputed = 0
+        num_recomputed = 0
         prefill_chunks: list[tuple[int, int]] = []  # (start, tokens) per prefill chunk
         decode_lens: list[int] = []  # per decode chunk: its context, the token decoded included
         touched: dict[int, SequenceGroup] = {}
@@ -1244,7 +1249,6 @@ class Scheduler:
                 if is_decode:
                     decode_lens.append(start + 1)
                 else:
-                    num_prefill += num_tokens
                     prefill_chunks.append((start, num_tokens))
                 if start < seq.num_lost_tokens:
                     lost = min(end, seq.num_lost_tokens) - start
@@ -1269,8 +1273,7 @@ class Scheduler:
         for group in touched.values():
             self._update_peaks(group)
         self._last_pieces = pieces
-        shape = StepShape.build(prefill_chunks, decode_lens)
-        return tuple(chunks), num_prefill, len(decode_lens), num_recomputed, shape
+        return tuple(chunks), num_recomputed, StepShape.build(prefill_chunks, decode_lens)
 
     # ------------------------------------------------------------------ after the forward
     def complete_step(self) -> list[tuple[SequenceGroup, Sequence]]:
